@@ -1,0 +1,1 @@
+"""Baseline selectors, one file per method."""

@@ -1,0 +1,1 @@
+"""Hydra configuration tree of rbs_bench (groups mirror the code)."""
