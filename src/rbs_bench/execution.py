@@ -1,0 +1,48 @@
+"""Run a `BlockSelection` as sparse attention with one of the executors.
+
+`reference` is the PyTorch reference (any device); `flex` is compiled FlexAttention (CUDA only).
+`auto` picks flex on CUDA and the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rbs_bench.kernels.block_sparse_attn import block_sparse_attention_ref
+from rbs_bench.kernels.flex_attn import flex_block_sparse_attention
+from rbs_bench.methods.selection import BlockSelection
+
+EXECUTORS = ("reference", "flex")
+
+
+def resolve_executor(name: str, device) -> str:
+    """The executor that `name` means on `device`: "auto" -> "flex" on CUDA, else "reference"."""
+    if name == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "reference"
+    if name not in EXECUTORS:
+        valid = ", ".join(("auto", *EXECUTORS))
+        raise ValueError(f"unknown executor {name!r}; choose one of: {valid}")
+    return name
+
+
+def execute(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    selection: BlockSelection,
+    executor: str = "auto",
+    scale: float | None = None,
+) -> Tensor:
+    """Sparse causal prefill attention over the selection's kept blocks; out [B, Hq, N, D].
+
+    q [B, Hq, N, D], k/v [B, Hkv, N, D]; the selection is per query head and N = seq_len.
+    """
+    if selection.seq_len != q.shape[2]:
+        raise ValueError(
+            f"selection was made for seq_len={selection.seq_len} but q has N={q.shape[2]}"
+        )
+    name = resolve_executor(executor, q.device)
+    kernel = flex_block_sparse_attention if name == "flex" else block_sparse_attention_ref
+    lists = (selection.kv_count, selection.kv_indices, selection.block_q, selection.block_k)
+    return kernel(q, k, v, *lists, scale=scale)
