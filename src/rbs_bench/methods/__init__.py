@@ -1,0 +1,50 @@
+"""The method registry: every selector by name, built from its config fields.
+
+`build(name, **fields)` is the one way the runner, calibration and tools obtain a method. A name is
+registered only once its rule is implemented; unknown names and fields fail with the valid choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rbs_bench.methods.dense import Dense
+from rbs_bench.methods.rbs import RBS, Centroid, FullL2
+from rbs_bench.methods.selection import BlockSelection, Selector
+
+REGISTRY: dict[str, type] = {cls.name: cls for cls in (Dense, RBS, Centroid, FullL2)}
+
+__all__ = ["REGISTRY", "BlockSelection", "Selector", "UnknownMethodError", "available", "build"]
+
+
+class UnknownMethodError(ValueError):
+    pass
+
+
+def available() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def method_class(name: str) -> type:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise UnknownMethodError(
+            f"unknown method {name!r}; valid methods: {', '.join(available())}"
+        ) from None
+
+
+def field_names(name: str) -> list[str]:
+    return [f.name for f in dataclasses.fields(method_class(name))]
+
+
+def build(name: str, **fields) -> Selector:
+    """The selector registered as `name`, with its dataclass fields overridden by `fields`."""
+    valid = field_names(name)
+    unknown = sorted(set(fields) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"method {name!r} has no field {', '.join(map(repr, unknown))}; "
+            f"valid fields: {', '.join(valid)}"
+        )
+    return method_class(name)(**fields)

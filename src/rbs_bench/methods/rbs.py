@@ -1,0 +1,172 @@
+"""RBS-Attention and its two single-branch variants (design.md §4).
+
+    rbs       base branch (q . c_b) and rescue branch (q . c_b + ||q|| r_b beta_b), thresholds
+              alpha_base / alpha_rescue, union with the forced blocks
+    centroid  base branch only, threshold alpha
+    full_l2   rescue branch with beta = 1 (the full L2 upper bound), threshold alpha
+
+Scores are query-block log-sum-exps of the scaled token logits; a branch keeps candidate b < i
+when L[i, b] >= log(alpha) + max_b' L[i, b']. Every variant shares this file's code path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rbs_bench.kernels.block_scores import block_scores_ref
+from rbs_bench.kernels.block_stats import block_stats_ref, rescue_beta_ref
+from rbs_bench.methods.selection import (
+    BlockSelection,
+    candidate_mask,
+    forced_mask,
+    num_blocks,
+    relative_threshold,
+)
+
+ALPHA_BASE = 0.22
+ALPHA_RESCUE = 0.18
+
+
+def _check_alpha(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class BlockSelector:
+    """Fields every block selector shares: block size and the forced blocks (FlashPrefill's)."""
+
+    block_size: int = 128
+    sink_blocks: int = 2
+    window_blocks: int = 4
+    last_q_blocks: int = 2
+
+    is_dense = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        for f in ("sink_blocks", "window_blocks", "last_q_blocks"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{f} must be an integer >= 0, got {v!r}")
+
+    def fields(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def with_knob(self, value: float) -> BlockSelector:
+        return dataclasses.replace(self, **{self.knob: value})
+
+    def _check(self, q: Tensor, k: Tensor) -> None:
+        if q.dim() != 4 or k.dim() != 4:
+            raise ValueError(
+                f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}"
+            )
+        if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(
+                f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
+            )
+
+    def _finish(self, keep: Tensor, n: int) -> BlockSelection:
+        """keep bool [B, Hq, M, M] from the branches; add forced blocks and compact."""
+        m = keep.shape[-1]
+        forced = forced_mask(
+            m, self.sink_blocks, self.window_blocks, self.last_q_blocks, keep.device
+        )
+        return BlockSelection.from_mask(keep | forced, self.block_size, self.block_size, n)
+
+
+@dataclass(frozen=True)
+class RBS(BlockSelector):
+    """Dual-branch radius-bounded selection. Knob: one scale s on the pair (0.22 s, 0.18 s)."""
+
+    alpha_base: float = ALPHA_BASE
+    alpha_rescue: float = ALPHA_RESCUE
+
+    name = "rbs"
+    knob = "alpha_scale"
+    knob_direction = -1  # a larger scale raises both thresholds: fewer blocks
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_alpha("alpha_base", self.alpha_base)
+        _check_alpha("alpha_rescue", self.alpha_rescue)
+
+    def with_knob(self, value: float) -> RBS:
+        _check_alpha(self.knob, value)
+        return dataclasses.replace(
+            self, alpha_base=ALPHA_BASE * value, alpha_rescue=ALPHA_RESCUE * value
+        )
+
+    def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
+        self._check(q, k)
+        centroid, radius = block_stats_ref(k, self.block_size)
+        uplift = radius * rescue_beta_ref(radius)
+        base, rescue = block_scores_ref(q, centroid, [None, uplift], self.block_size, scale)
+        cand = candidate_mask(num_blocks(q.shape[2], self.block_size), q.device)
+        keep = relative_threshold(base, cand, self.alpha_base)
+        keep |= relative_threshold(rescue, cand, self.alpha_rescue)
+        return self._finish(keep, q.shape[2])
+
+
+@dataclass(frozen=True)
+class _SingleBranch(BlockSelector):
+    alpha: float = ALPHA_BASE
+
+    knob = "alpha"
+    knob_direction = -1  # a larger alpha keeps fewer blocks
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_alpha("alpha", self.alpha)
+
+    full_bound = False  # score with the full radius (beta = 1) instead of the centroid alone
+
+    def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
+        self._check(q, k)
+        centroid, radius = block_stats_ref(k, self.block_size)
+        uplift = radius if self.full_bound else None
+        (scores,) = block_scores_ref(q, centroid, [uplift], self.block_size, scale)
+        cand = candidate_mask(num_blocks(q.shape[2], self.block_size), q.device)
+        return self._finish(relative_threshold(scores, cand, self.alpha), q.shape[2])
+
+
+@dataclass(frozen=True)
+class Centroid(_SingleBranch):
+    """Base branch only: mean-key (centroid) scoring, as FlashPrefill scores blocks."""
+
+    alpha: float = ALPHA_BASE
+    name = "centroid"
+
+
+@dataclass(frozen=True)
+class FullL2(_SingleBranch):
+    """Rescue branch with beta = 1: the full L2 bound q . c_b + ||q|| r_b as the only score."""
+
+    alpha: float = ALPHA_RESCUE
+    name = "full_l2"
+    full_bound = True
+
+
+def main() -> None:
+    """Print the selection of each variant on a structured random prompt."""
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 4, 2048, 64), torch.randn(1, 2, 2048, 64)
+    k[:, :, 640:768] *= 4.0  # one dispersed key block
+    for sel in (RBS(), Centroid(), FullL2()):
+        s = sel.select(q, k)
+        print(
+            f"{sel.name:9s} density {s.density():.4f}  kept per query block (head 0):",
+            s.kv_count[0, 0].tolist(),
+        )
+
+
+if __name__ == "__main__":
+    main()
