@@ -1,0 +1,285 @@
+"""Sparse prefill attention inside HF transformers models, through the `AttentionInterface`.
+
+`install(model, selector)` attaches a selector to every attention module and switches the model to
+the `rbs_sparse` implementation. The registered function reads its state from the `module` it is
+called with (no global state), so two models can run two methods in one process. Per call:
+
+- prefill (Lq == Lk > 1): `selector.select(q, k)` -> `execute(...)`, or SDPA for a dense selector;
+  the per-head density and the selector / attention seconds go to the `PrefillRecorder`;
+- decode and chunked prefill (Lq != Lk or Lq == 1), and modules without state: transformers' SDPA.
+
+The model layout is q [B, Hq, L, D], k/v [B, Hkv, L, D] (GQA not expanded), output [B, L, Hq, D];
+the selection API uses [B, H, N, D] and the conversion happens only here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+ATTN_IMPL = "rbs_sparse"
+_STATE = "_rbs_state"  # attribute on each attention module
+_PREV_IMPL = "_rbs_prev_attn_impl"  # attribute on the model, restored by uninstall()
+
+
+@dataclass
+class _LayerRecord:
+    density: Tensor  # float [Hq], mean over the batch; left on the device until summary()
+    selector_s: float
+    attention_s: float
+
+
+@dataclass
+class PrefillRecorder:
+    """Per-layer density and timings of the latest prefill forward.
+
+    A layer recorded a second time means a new forward has begun, so the previous one is dropped;
+    call `reset()` before each sample anyway. With `timing` (default) CUDA is synchronised around
+    the timed regions, which makes the seconds real but costs the overlap of host and device.
+    """
+
+    timing: bool = True
+    layers: dict[int, _LayerRecord] = field(default_factory=dict)
+    _pending: list[tuple[int, Tensor]] = field(default_factory=list)  # deferred finiteness checks
+
+    def reset(self) -> None:
+        self.layers.clear()
+        self._pending.clear()
+
+    def clock(self, like: Tensor) -> float:
+        if self.timing and like.is_cuda:
+            torch.cuda.synchronize(like.device)
+        return time.perf_counter()
+
+    def record(self, layer: int, density: Tensor, selector_s: float, attention_s: float) -> None:
+        if layer in self.layers:  # a new forward: settle the last one's deferred checks
+            self.check_finite()
+            self.layers.clear()
+        self.layers[layer] = _LayerRecord(density.detach(), selector_s, attention_s)
+
+    def check_finite(self) -> None:
+        """Raise for the first deferred non-finite q/k flag (CUDA runs without timing)."""
+        pending, self._pending = self._pending, []
+        for layer, bad in pending:
+            if bool(bad):
+                raise FloatingPointError(_nonfinite_message(layer))
+
+    def summary(self) -> dict:
+        """density_mean (over layers and heads), density_layers_heads, selector_s, attention_s,
+        num_layers."""
+        self.check_finite()
+        order = sorted(self.layers)
+        per_layer = [self.layers[i].density.double().cpu().tolist() for i in order]
+        flat = [d for row in per_layer for d in row]
+        return {
+            "density_mean": sum(flat) / len(flat) if flat else math.nan,
+            "density_layers_heads": [[round(d, 5) for d in row] for row in per_layer],
+            "selector_s": sum(self.layers[i].selector_s for i in order),
+            "attention_s": sum(self.layers[i].attention_s for i in order),
+            "num_layers": len(order),
+        }
+
+
+@dataclass
+class _State:
+    selector: object
+    executor: str
+    recorder: PrefillRecorder
+    execute: object  # rbs_bench.execution.execute, or None for a dense selector
+
+
+def _nonfinite_message(layer: int) -> str:
+    return f"NaN/Inf in layer {layer} queries/keys; check model dtype"
+
+
+def register() -> None:
+    """Register `rbs_sparse` with transformers (idempotent).
+
+    The mask function matters: transformers builds no attention mask for an implementation that
+    has none registered, and padded batches would then silently attend to their pad tokens.
+    """
+    AttentionInterface.register(ATTN_IMPL, rbs_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPL, sdpa_mask)
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that call the attention interface (Qwen3, Qwen3-MoE, Llama self-attention)."""
+    return [
+        m
+        for m in model.modules()
+        if isinstance(getattr(m, "layer_idx", None), int)
+        and hasattr(m, "num_key_value_groups")
+        and hasattr(m, "scaling")
+    ]
+
+
+def install(model: torch.nn.Module, selector, executor: str = "auto") -> PrefillRecorder:
+    """Run `selector` in every prefill of `model`; returns the recorder of densities and timings."""
+    register()
+    modules = attention_modules(model)
+    if not modules:
+        raise ValueError(
+            f"{type(model).__name__} has no attention module with layer_idx "
+            f"(supported: Qwen3, Qwen3-MoE, Llama)"
+        )
+    execute = None
+    if not selector.is_dense:
+        from rbs_bench.execution import execute, resolve_executor
+
+        resolve_executor(executor, next(model.parameters()).device)  # unknown names fail here
+    recorder = PrefillRecorder()
+    for m in modules:
+        setattr(m, _STATE, _State(selector, executor, recorder, execute))
+    current = model.config._attn_implementation
+    if current != ATTN_IMPL:
+        setattr(model, _PREV_IMPL, current)
+        model.set_attn_implementation(ATTN_IMPL)
+    stuck = {m.config._attn_implementation for m in modules if hasattr(m, "config")} - {ATTN_IMPL}
+    if stuck:
+        uninstall(model)
+        raise ValueError(
+            f"{type(model).__name__} kept attention {sorted(stuck)}; load it with "
+            f"attn_implementation={ATTN_IMPL!r}"
+        )
+    return recorder
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Remove the selector state and restore the attention implementation install() replaced."""
+    for m in attention_modules(model):
+        if hasattr(m, _STATE):
+            delattr(m, _STATE)
+    prev = model.__dict__.pop(_PREV_IMPL, None)
+    if prev is not None:
+        model.set_attn_implementation(prev)
+
+
+def rbs_attention_forward(
+    module: torch.nn.Module,
+    query: Tensor,  # [B, Hq, Lq, D]
+    key: Tensor,  # [B, Hkv, Lk, D]
+    value: Tensor,  # [B, Hkv, Lk, D]
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """The `rbs_sparse` attention function; returns ([B, Lq, Hq, D], None)."""
+    state: _State | None = getattr(module, _STATE, None)
+    lq, lk = query.shape[2], key.shape[2]
+    if state is None or lq != lk or lq == 1 or not getattr(module, "is_causal", True):
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
+
+    layer = module.layer_idx
+    if dropout:
+        raise ValueError(f"attention dropout {dropout} in layer {layer}; call model.eval() first")
+    rec = state.recorder
+    _check_finite(query, key, layer, rec)
+
+    if state.selector.is_dense:
+        t0 = rec.clock(query)
+        out, _ = sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
+        rec.record(
+            layer, query.new_ones(query.shape[1], dtype=torch.float32), 0.0, rec.clock(query) - t0
+        )
+        return out, None
+
+    if sliding_window is not None:
+        raise ValueError(
+            f"layer {layer} uses sliding-window attention ({sliding_window}), which "
+            f"the sparse prefill path does not support; use a full-attention model"
+        )
+    if attention_mask is None:
+        out, density, sel_s, attn_s = _sparse(state, query, key, value, scaling)
+        density = density.mean(0)
+    else:
+        out, density, sel_s, attn_s = _sparse_padded(
+            state, query, key, value, attention_mask, scaling, layer
+        )
+    if density is not None:
+        rec.record(layer, density, sel_s, attn_s)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _check_finite(query: Tensor, key: Tensor, layer: int, rec: PrefillRecorder) -> None:
+    bad = ~(torch.isfinite(query).all() & torch.isfinite(key).all())  # 0-dim, no sync yet
+    if query.is_cuda and not rec.timing:
+        rec._pending.append((layer, bad))  # checked at summary(): no extra host sync here
+    elif bool(bad):
+        raise FloatingPointError(_nonfinite_message(layer))
+
+
+def _sparse(state: _State, q: Tensor, k: Tensor, v: Tensor, scale: float | None):
+    """(out [B, Hq, N, D], head density [B, Hq], selector s, attention s) of unpadded rows."""
+    rec = state.recorder
+    t0 = rec.clock(q)
+    sel = state.selector.select(q, k, scale=scale)
+    t1 = rec.clock(q)
+    out = state.execute(q, k, v, sel, state.executor, scale=scale)
+    t2 = rec.clock(q)
+    return out, sel.head_density().float(), t1 - t0, t2 - t1
+
+
+def _sparse_padded(
+    state: _State, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None, layer: int
+):
+    """Run each batch row on its valid tokens only; pad positions get output 0."""
+    b, n = q.shape[0], q.shape[2]
+    # The last query row sees every valid key: all of them with left padding, and with right
+    # padding (where that row is itself a pad) the causal mask ANDed with padding shows the same.
+    keep = mask[:, 0, -1, :]
+    keep = keep if keep.dtype == torch.bool else keep == 0  # additive float masks: 0 = attend
+    keep = keep.expand(b, n)
+    count = keep.sum(-1)
+    first = keep.to(torch.int8).argmax(-1)
+    pos = torch.arange(n, device=keep.device)
+    span = (pos >= first[:, None]) & (pos < (first + count)[:, None])
+    ok = (span == keep).all(-1)
+    rows = torch.stack([count, first, ok.long()], dim=1).tolist()  # one host sync for the batch
+
+    out = q.new_zeros(q.shape)
+    densities, sel_s, attn_s = [], 0.0, 0.0
+    for i, (cnt, start, contiguous) in enumerate(rows):
+        if not contiguous:
+            raise ValueError(
+                f"layer {layer}: batch row {i} has non-contiguous valid tokens; only "
+                f"left or right padding is supported"
+            )
+        if cnt == 0:
+            continue
+        sl = slice(start, start + cnt)
+        o, d, s_s, a_s = _sparse(
+            state, q[i : i + 1, :, sl], k[i : i + 1, :, sl], v[i : i + 1, :, sl], scale
+        )
+        out[i : i + 1, :, sl] = o
+        densities.append(d[0])
+        sel_s, attn_s = sel_s + s_s, attn_s + a_s
+    density = torch.stack(densities).mean(0) if densities else None
+    return out, density, sel_s, attn_s
