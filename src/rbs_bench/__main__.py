@@ -1,0 +1,92 @@
+"""`python -m rbs_bench +experiment=<name> [overrides]`: run an experiment's grid of cells.
+
+Without -m, the experiment's sweep (`hydra.sweeper.params`) runs in this process, one cell after
+another, and the summary table and plot are rebuilt at the end. With -m, Hydra's launcher runs
+each cell as its own job (locally, or as a SLURM array with hydra/launcher=submitit_slurm); every
+job rebuilds the summary from the records present when it finishes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
+from omegaconf import DictConfig
+
+from rbs_bench.config import CONFIG_MODULE, UserError, check_overrides, register_schemas, validate
+
+register_schemas()
+
+
+def _override_key(text: str) -> str:
+    return text.split("=", 1)[0].lstrip("+~")
+
+
+def grid_overrides(hc) -> list[list[str]]:
+    """The experiment's sweep, less the keys the command line pins, as lists of overrides."""
+    params = dict(hc.sweeper.get("params") or {})
+    pinned = {_override_key(o) for o in hc.overrides.task}
+    axes = []
+    for key, value in params.items():
+        if key in pinned:
+            continue
+        (ov,) = OverridesParser.create().parse_overrides([f"{key}={value}"])
+        values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
+        axes.append([f"{key}={v}" for v in values])
+    return [list(c) for c in itertools.product(*axes)]
+
+
+def run(cfg: DictConfig) -> None:
+    from rbs_bench import report
+    from rbs_bench.loggers import make_logger
+    from rbs_bench.runner import Session, experiment_dir, run_cell
+
+    hc = HydraConfig.get()
+    experiment = hc.runtime.choices.get("experiment") or "adhoc"
+    if hc.mode == RunMode.MULTIRUN:
+        cells = [cfg]  # the launcher already expanded the grid: this job is one cell
+    else:
+        cells = [
+            hydra.compose(config_name="config", overrides=list(hc.overrides.task) + grid)
+            for grid in grid_overrides(hc)
+        ]
+    for cell in cells:
+        validate(cell)  # `+key=value` overrides pass composition; catch misspelt ones here
+    logger = make_logger(cfg, experiment_dir(cfg, experiment), experiment)
+    session = Session()
+    for cell in cells:
+        run_cell(cell, experiment, session, logger)
+    exp_dir = experiment_dir(cfg, experiment)
+    report.write_summary(exp_dir)
+    logger.log_summary(exp_dir)
+    logger.finish()
+    print(f"summary: {exp_dir / 'summary.md'}")
+    print((exp_dir / "summary.md").read_text().split("\n## ")[0])
+
+
+@hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except UserError as e:
+        print(f"rbs-bench: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    # Compose once up front so a bad override (unknown option, misspelt field) is one clear line.
+    if not any(a.startswith("-") for a in args):
+        problem = check_overrides(args)
+        if problem:
+            print(f"rbs-bench: error: {problem}", file=sys.stderr)
+            sys.exit(2)
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Structured-config schemas for the Hydra tree in conf/, and one-line explanations of bad configs.
+
+Every group has a dataclass schema, so a misspelt field or a wrong type fails at compose time.
+Method schemas are generated from the registry: `conf/method/<name>.yaml` is the registry key, the
+selector's dataclass fields and the results column at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from rbs_bench import methods
+
+CONFIG_MODULE = "rbs_bench.conf"
+GROUPS = ("model", "method", "benchmark", "budget", "calibration", "logger", "experiment")
+
+
+class UserError(Exception):
+    """Bad input: printed as one line (what to change), never as a traceback."""
+
+
+@dataclass
+class ModelCfg:
+    name: str = MISSING
+    hf_id: str | None = None  # None: the embedded tiny model, built locally
+    revision: str | None = None
+    max_context: int = MISSING  # longest prompt + generation the model supports
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    chat_template: bool = True  # wrap prompts with the tokenizer's chat template
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    trust_remote_code: bool = False
+    config_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. rope scaling
+
+
+@dataclass
+class BenchmarkCfg:
+    name: str = MISSING
+    tasks: list[str] = field(default_factory=list)
+    context_lengths: list[int] = field(default_factory=list)
+    num_samples: int = 5
+    seed: int = 42
+    max_new_tokens: int | None = None  # None: the task's official budget
+
+
+@dataclass
+class BudgetCfg:
+    name: str = "default"
+    knob: float | None = None  # value of the method's calibration knob; None keeps its defaults
+
+
+@dataclass
+class CalibrationCfg:
+    dir: str = "${results_dir}/calibration"  # where calibrated knobs are stored per model/method
+    num_prompts: int = 50
+    tolerance: float = 0.0001  # absolute error in density allowed at a target
+
+
+@dataclass
+class LoggerCfg:
+    name: str = "none"  # none | wandb
+    project: str = "rbs-bench"
+    entity: str | None = None
+    mode: str = "offline"  # wandb mode: online | offline | disabled
+
+
+@dataclass
+class RunCfg:
+    model: ModelCfg = MISSING
+    method: Any = MISSING  # one of the generated method schemas
+    benchmark: BenchmarkCfg = MISSING
+    budget: BudgetCfg = MISSING
+    calibration: CalibrationCfg = MISSING
+    logger: LoggerCfg = MISSING
+    results_dir: str = "results"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    executor: str = "auto"  # sparse executor: auto | reference | flex
+    progress: bool = True
+
+
+def method_schema(name: str) -> type:
+    """The config dataclass of a registered method: `name` plus the selector's own fields."""
+    cls = methods.method_class(name)
+    hints = typing.get_type_hints(cls)
+    spec = [("name", str, field(default=name))]
+    spec += [(f.name, hints[f.name], field(default=f.default)) for f in dataclasses.fields(cls)]
+    return dataclasses.make_dataclass(f"{cls.__name__}Cfg", spec)
+
+
+def register_schemas() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="run_schema", node=RunCfg)
+    for name in methods.available():
+        cs.store(group="method", name=f"{name}_schema", node=method_schema(name))
+
+
+def group_options(group: str) -> list[str]:
+    """Names of the YAML files of a config group (what `group=<name>` accepts)."""
+    root = resources.files(CONFIG_MODULE).joinpath(group)
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def explain(exc: BaseException) -> str:
+    """One line saying what is wrong with a composed config and what the valid choices are."""
+    from hydra.errors import MissingConfigException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    unknown_key = (ConfigKeyError, ConfigAttributeError)
+    cause = exc
+    while cause.__cause__ is not None and not isinstance(cause, (*unknown_key, ValidationError)):
+        cause = cause.__cause__
+    if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
+        group, _, option = exc.missing_cfg_file.rpartition("/")
+        if group in GROUPS:
+            return f"unknown {group} {option!r}; valid: {', '.join(group_options(group))}"
+    if isinstance(cause, unknown_key) and cause.full_key:
+        typ = cause.object_type
+        valid = [f.name for f in dataclasses.fields(typ)] if dataclasses.is_dataclass(typ) else []
+        return _unknown_field(cause.full_key, valid)
+    if isinstance(cause, ValidationError):
+        first = str(cause).splitlines()[0]
+        return f"{cause.full_key}: {first}" if cause.full_key else first
+    return " ".join(str(exc).split())
+
+
+def _unknown_field(key: str, valid: list[str]) -> str:
+    where = key.rpartition(".")[0] or "the run config"
+    tail = f"; valid fields: {', '.join(valid)}" if valid else ""
+    return f"{key!r} is not a field of {where}{tail}"
+
+
+def validate(cfg) -> None:
+    """Catch fields that a `+key=value` override slipped past the schemas."""
+    hints = typing.get_type_hints(RunCfg)
+    nodes = [("", RunCfg), ("method", method_schema(cfg.method.name))]
+    nodes += [(k, t) for k, t in hints.items() if dataclasses.is_dataclass(t)]
+    for path, schema in nodes:
+        node = cfg if not path else cfg[path]
+        valid = [f.name for f in dataclasses.fields(schema)]
+        extra = sorted(set(node.keys()) - set(valid) - {"hydra"})
+        if extra:
+            raise UserError(_unknown_field(f"{path}.{extra[0]}" if path else extra[0], valid))
+
+
+def check_overrides(overrides: list[str]) -> str | None:
+    """Compose the config for these overrides; None if fine, else the one-line error."""
+    from hydra import compose, initialize_config_module
+
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            validate(compose(config_name="config", overrides=overrides))
+    except Exception as exc:  # any composition failure is the user's input
+        return str(exc) if isinstance(exc, UserError) else explain(exc)
+    return None

@@ -1,0 +1,153 @@
+"""Summaries of an experiment's run records: a CSV, a Markdown table and a score-vs-density plot.
+
+Built from the records on disk only (never by rerunning a model), so any process, including one
+SLURM array task, can rebuild them:  python -m rbs_bench.report results/runs/<experiment>/<model>
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from rbs_bench.records import read_records, write_atomic
+
+CELL = ["method", "budget"]
+
+
+def load_records(exp_dir: Path) -> pd.DataFrame:
+    rows = []
+    for path in sorted(Path(exp_dir).glob("*/*/records.jsonl")):
+        for rec in read_records(path):
+            rec = dict(rec)
+            rec["source"] = str(path)
+            rows.append(rec)
+    return pd.DataFrame(rows)
+
+
+def summarize(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(per method/budget/task/length, per method/budget) tables with score and density."""
+    keys = CELL + ["task", "context_length"]
+    by_task = (
+        df.groupby(keys, sort=False)
+        .agg(
+            n=("score", "size"),
+            score=("score", "mean"),
+            density=("density", "mean"),
+            density_p50=("density", "median"),
+            density_p90=("density", lambda s: s.quantile(0.9)),
+            ttft_s=("ttft_s", "mean"),
+        )
+        .reset_index()
+    )
+    # A cell's score is the mean over its task x length groups, as RULER averages its tasks.
+    overall = (
+        by_task.groupby(CELL, sort=False)
+        .agg(
+            n=("n", "sum"),
+            score=("score", "mean"),
+            density=("density", "mean"),
+            ttft_s=("ttft_s", "mean"),
+        )
+        .reset_index()
+    )
+    order = {"dense": 0}
+    overall = overall.sort_values(
+        by=CELL, key=lambda c: c.map(lambda v: (order.get(v, 1), v)) if c.name == "method" else c
+    )
+    return by_task, overall
+
+
+def markdown_table(df: pd.DataFrame, floats: dict[str, str]) -> str:
+    cols = list(df.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for _, row in df.iterrows():
+        cells = [format(row[c], floats[c]) if c in floats else str(row[c]) for c in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_score_vs_density(overall: pd.DataFrame, by_task: pd.DataFrame, path: Path, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
+    for method, grp in by_task.groupby("method", sort=False):
+        ax.scatter(100 * grp["density"], grp["score"], alpha=0.35, s=18)
+        ov = overall[overall["method"] == method]
+        ax.plot(
+            100 * ov["density"],
+            ov["score"],
+            marker="o",
+            ms=8,
+            lw=1.5,
+            label=method,
+            color=ax.collections[-1].get_facecolor()[0][:3],
+        )
+    ax.set_xlabel("measured density (% of causal block pairs)")
+    ax.set_ylabel("score")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlim(0, 105)
+    ax.set_ylim(-5, 105)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, title="method (small dots: task x length)", title_fontsize=7)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def write_summary(exp_dir: Path) -> pd.DataFrame | None:
+    """Rebuild summary.csv, summary.md and score_vs_density.png of an experiment/model dir."""
+    exp_dir = Path(exp_dir)
+    df = load_records(exp_dir)
+    if df.empty:
+        return None
+    by_task, overall = summarize(df)
+    write_atomic(exp_dir / "summary.csv", overall.to_csv(index=False))
+    write_atomic(exp_dir / "summary_by_task.csv", by_task.to_csv(index=False))
+    fmt = {
+        "score": ".2f",
+        "density": ".4f",
+        "density_p50": ".4f",
+        "density_p90": ".4f",
+        "ttft_s": ".3f",
+    }
+    sources = "".join(f"- `{s}`\n" for s in sorted(df["source"].unique()))
+    md = (
+        f"# {exp_dir.parent.name} on {exp_dir.name}\n\n"
+        "Score: benchmark metric (0-100), mean over task x context-length groups. Density: kept "
+        "causal block pairs / all causal block pairs, mean over layers, heads and samples.\n\n"
+        f"{markdown_table(overall, fmt)}\n## By task and context length\n\n"
+        f"{markdown_table(by_task, fmt)}\nRun records:\n\n{sources}"
+    )
+    write_atomic(exp_dir / "summary.md", md)
+    plot_score_vs_density(
+        overall,
+        by_task,
+        exp_dir / "score_vs_density.png",
+        f"{exp_dir.parent.name} / {exp_dir.name}",
+    )
+    return overall
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("exp_dirs", nargs="+", type=Path, help="results/runs/<experiment>/<model>")
+    args = ap.parse_args(argv)
+    for d in args.exp_dirs:
+        overall = write_summary(d)
+        if overall is None:
+            print(f"{d}: no run records", file=sys.stderr)
+            return 1
+        print(f"{d}/summary.md\n{markdown_table(overall, {'score': '.2f', 'density': '.4f'})}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

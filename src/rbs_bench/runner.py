@@ -1,0 +1,283 @@
+"""One cell of an experiment: a model, a method at a budget, a benchmark; one record per sample.
+
+Records go to `<results_dir>/runs/<experiment>/<model>/<method>/<budget>/records.jsonl`; a rerun of
+the same command skips every sample already recorded there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from rbs_bench import benchmarks, methods, models
+from rbs_bench.config import UserError
+from rbs_bench.execution import resolve_executor
+from rbs_bench.models.hf_attention import install, uninstall
+from rbs_bench.records import RecordStore, check_fingerprint
+
+
+def cell_dir(cfg: DictConfig, experiment: str) -> Path:
+    return (
+        Path(cfg.results_dir)
+        / "runs"
+        / experiment
+        / cfg.model.name
+        / cfg.method.name
+        / cfg.budget.name
+    )
+
+
+def experiment_dir(cfg: DictConfig, experiment: str) -> Path:
+    return Path(cfg.results_dir) / "runs" / experiment / cfg.model.name
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"device={name} but no CUDA device is visible; use device=cpu")
+    return torch.device(name)
+
+
+def build_selector(cfg: DictConfig):
+    """The method of this cell with its budget applied."""
+    fields = {k: v for k, v in OmegaConf.to_container(cfg.method).items() if k != "name"}
+    try:
+        sel = methods.build(cfg.method.name, **fields)
+        if cfg.budget.knob is not None:
+            if sel.knob is None:
+                raise UserError(f"method {sel.name!r} has no knob; drop budget.knob for it")
+            sel = sel.with_knob(cfg.budget.knob)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return sel
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+@dataclass
+class Loaded:
+    """What cells of one process share: the model and the benchmark samples."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    device: torch.device
+    samples: dict  # (task, length) -> list[Sample]
+
+
+class Session:
+    """Caches the model and generated samples across the cells a process runs."""
+
+    def __init__(self):
+        self._model_key = None
+        self._loaded: Loaded | None = None
+
+    def load(self, cfg: DictConfig) -> Loaded:
+        key = OmegaConf.to_yaml(cfg.model) + cfg.device
+        if key != self._model_key:
+            device = resolve_device(cfg.device)
+            try:
+                model, tok = models.load(cfg.model, device=device)
+            except ValueError as e:
+                raise UserError(str(e)) from None
+            self._loaded = Loaded(model, tok, device, {})
+            self._model_key = key
+        return self._loaded
+
+    def samples(self, cfg: DictConfig, loaded: Loaded, task: str, length: int):
+        bench = benchmarks.get(cfg.benchmark.name)
+        key = (
+            cfg.benchmark.name,
+            task,
+            length,
+            cfg.benchmark.num_samples,
+            cfg.benchmark.seed,
+            cfg.benchmark.max_new_tokens,
+            OmegaConf.to_yaml(cfg.model),
+        )
+        if key not in loaded.samples:
+            wrap = lambda text: models.wrap_prompt(loaded.tokenizer, cfg.model, text)
+            try:
+                loaded.samples[key] = bench.generate(
+                    task,
+                    length,
+                    cfg.benchmark.num_samples,
+                    models.encoder(loaded.tokenizer),
+                    seed=cfg.benchmark.seed,
+                    wrap=wrap,
+                    max_new_tokens=cfg.benchmark.max_new_tokens,
+                )
+            except ValueError as e:
+                raise UserError(str(e)) from None
+        return loaded.samples[key]
+
+
+def _check_lengths(cfg: DictConfig) -> None:
+    bench = benchmarks.get(cfg.benchmark.name)
+    for task in cfg.benchmark.tasks:
+        if task not in bench.TASKS:
+            raise UserError(
+                f"unknown {cfg.benchmark.name} task {task!r}; "
+                f"valid: {', '.join(sorted(bench.TASKS))}"
+            )
+    for n in cfg.benchmark.context_lengths:
+        if n > cfg.model.max_context:
+            raise UserError(
+                f"context length {n} exceeds model.max_context={cfg.model.max_context} of "
+                f"{cfg.model.name}; lower benchmark.context_lengths"
+            )
+    if not cfg.benchmark.context_lengths or not cfg.benchmark.tasks:
+        raise UserError("benchmark.tasks and benchmark.context_lengths must not be empty")
+
+
+@torch.inference_mode()
+def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos: set[int]):
+    """Prefill + greedy decode. Returns (new token ids, seconds to first token, seconds total)."""
+    sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    out = model(input_ids=input_ids, use_cache=True)
+    logits = out.logits[:, -1]
+    if not torch.isfinite(logits).all():
+        raise UserError(
+            "the model produced NaN/Inf logits in prefill; check model.dtype "
+            "(float16 can overflow) and the checkpoint"
+        )
+    token = logits.argmax(-1, keepdim=True)  # [1, 1]
+    sync()
+    ttft = time.perf_counter() - t0
+    new = [int(token)]
+    past = out.past_key_values
+    while len(new) < max_new_tokens and new[-1] not in eos:
+        out = model(input_ids=token, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        new.append(int(token))
+    sync()
+    return new, ttft, time.perf_counter() - t0
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(src)
+    return ids
+
+
+def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) -> Path:
+    """Run every pending sample of one cell; return the records file."""
+    _check_lengths(cfg)
+    selector = build_selector(cfg)
+    bench = benchmarks.get(cfg.benchmark.name)
+    out_dir = cell_dir(cfg, experiment)
+    check_fingerprint(
+        out_dir / "cell.json",
+        _flatten(
+            {
+                "model": OmegaConf.to_container(cfg.model),
+                "method": selector.fields() | {"name": selector.name},
+                "budget.knob": cfg.budget.knob,
+                "benchmark": {
+                    "name": cfg.benchmark.name,
+                    "version": bench.VERSION,
+                    "seed": cfg.benchmark.seed,
+                    "max_new_tokens": cfg.benchmark.max_new_tokens,
+                },
+            }
+        ),
+    )
+    store = RecordStore(out_dir / "records.jsonl")
+    loaded = session.load(cfg)
+    executor = resolve_executor(cfg.executor, loaded.device)
+    work = [
+        (s, n)
+        for task in cfg.benchmark.tasks
+        for n in cfg.benchmark.context_lengths
+        for s in session.samples(cfg, loaded, task, n)
+    ]
+    pending = [(s, n) for s, n in work if not store.done((s.task, n, s.index))]
+    for s, n in work:
+        old = store.done((s.task, n, s.index))
+        if old and old["prompt_sha1"] != _sha1(s.prompt):
+            raise UserError(
+                f"{store.path} was made from different prompts ({old['benchmark_version']}"
+                f"); delete it or use results_dir=... to keep both"
+            )
+    label = f"{experiment}/{cfg.model.name}/{selector.name}/{cfg.budget.name}"
+    if not pending:
+        print(f"{label}: all {len(work)} samples already recorded")
+        return store.path
+    recorder = install(loaded.model, selector, executor)
+    eos = _eos_ids(loaded.model, loaded.tokenizer)
+    bar = tqdm(pending, desc=label, unit="sample", disable=not cfg.progress, dynamic_ncols=True)
+    try:
+        for sample, length in bar:
+            rec = _run_sample(
+                cfg, experiment, selector, bench, loaded, recorder, eos, sample, length
+            )
+            store.append(rec)
+            if logger is not None:
+                logger.log_sample(rec)
+            bar.set_postfix(score=f"{rec['score']:.0f}", density=f"{rec['density']:.3f}")
+    finally:
+        uninstall(loaded.model)
+    return store.path
+
+
+def _sha1(text: str) -> str:
+    return hashlib.sha1(text.encode()).hexdigest()
+
+
+def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample, length) -> dict:
+    ids = loaded.tokenizer(sample.prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    recorder.reset()
+    new, ttft, total = greedy_generate(
+        loaded.model, ids.to(loaded.device), sample.max_new_tokens, eos
+    )
+    stats = recorder.summary()
+    pred = loaded.tokenizer.decode(new, skip_special_tokens=True)
+    return {
+        "experiment": experiment,
+        "model": cfg.model.name,
+        "method": selector.name,
+        "method_fields": selector.fields(),
+        "budget": cfg.budget.name,
+        "budget_knob": cfg.budget.knob,
+        "benchmark": cfg.benchmark.name,
+        "benchmark_version": bench.VERSION,
+        "task": sample.task,
+        "context_length": length,
+        "index": sample.index,
+        "input_tokens": int(ids.shape[1]),
+        "prompt_sha1": _sha1(sample.prompt),
+        "density": stats["density_mean"],
+        "density_layers_heads": stats["density_layers_heads"],
+        "prediction": pred,
+        "references": list(sample.references),
+        "score": bench.score_one(sample.task, pred, sample.references),
+        "ttft_s": round(ttft, 6),
+        "generate_s": round(total, 6),
+        "selector_s": round(stats["selector_s"], 6),
+        "attention_s": round(stats["attention_s"], 6),
+        "new_tokens": len(new),
+        "device": str(loaded.device),
+        "executor": resolve_executor(cfg.executor, loaded.device),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }

@@ -1,0 +1,65 @@
+"""Run records survive a kill mid-write, and the summary is built from them alone."""
+
+import json
+
+import pytest
+
+from rbs_bench import report
+from rbs_bench.config import UserError
+from rbs_bench.records import RecordStore, check_fingerprint, read_records
+
+
+def _rec(i, method="rbs", score=100.0, density=0.5):
+    return {
+        "task": "niah_single_1",
+        "context_length": 4096,
+        "index": i,
+        "method": method,
+        "budget": "default",
+        "score": score,
+        "density": density,
+        "ttft_s": 0.1,
+    }
+
+
+def test_torn_line_is_dropped_and_resume_appends(tmp_path):
+    path = tmp_path / "records.jsonl"
+    store = RecordStore(path)
+    store.append(_rec(0))
+    store.append(_rec(1))
+    with open(path, "a") as f:
+        f.write(json.dumps(_rec(2))[:25])  # killed mid-write
+    assert len(read_records(path)) == 2
+    store = RecordStore(path)
+    assert store.done(("niah_single_1", 4096, 1)) and not store.done(("niah_single_1", 4096, 2))
+    store.append(_rec(2))
+    assert [r["index"] for r in read_records(path)] == [0, 1, 2]
+    assert path.read_text().count("\n") == 3
+
+
+def test_store_refuses_nan(tmp_path):
+    with pytest.raises(ValueError):
+        RecordStore(tmp_path / "r.jsonl").append(_rec(0, score=float("nan")))
+
+
+def test_fingerprint_mismatch_names_the_key(tmp_path):
+    check_fingerprint(tmp_path / "cell.json", {"method.alpha": 0.2, "model.name": "tiny"})
+    check_fingerprint(tmp_path / "cell.json", {"method.alpha": 0.2, "model.name": "tiny"})
+    with pytest.raises(UserError, match=r"method.alpha=0.2, not 0.3"):
+        check_fingerprint(tmp_path / "cell.json", {"method.alpha": 0.3, "model.name": "tiny"})
+
+
+def test_summary_tables_and_plot(tmp_path):
+    exp = tmp_path / "runs" / "exp" / "tiny"
+    for method, scores, dens in (("dense", [100, 100], 1.0), ("rbs", [100, 0], 0.25)):
+        store = RecordStore(exp / method / "default" / "records.jsonl")
+        for i, s in enumerate(scores):
+            store.append(_rec(i, method, s, dens))
+    overall = report.write_summary(exp)
+    assert overall["method"].tolist() == ["dense", "rbs"]
+    assert overall["score"].tolist() == [100.0, 50.0]
+    assert overall["density"].tolist() == [1.0, 0.25]
+    md = (exp / "summary.md").read_text()
+    assert "| dense | default | 2 | 100.00 | 1.0000 |" in md
+    assert "rbs/default/records.jsonl" in md  # names the records it used
+    assert (exp / "score_vs_density.png").stat().st_size > 1000
