@@ -227,8 +227,12 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
     recorder = install(loaded.model, selector, executor)
     eos = _eos_ids(loaded.model, loaded.tokenizer)
     bar = tqdm(pending, desc=label, unit="sample", disable=not cfg.progress, dynamic_ncols=True)
+    warmed = set()
     try:
         for sample, length in bar:
+            if loaded.device.type == "cuda" and length not in warmed:
+                _warm_up(loaded, sample)  # compile/autotune outside the timed region
+                warmed.add(length)
             rec = _run_sample(
                 cfg, experiment, selector, bench, loaded, recorder, eos, sample, length
             )
@@ -241,12 +245,24 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
     return store.path
 
 
+def _input_ids(loaded: Loaded, sample) -> torch.Tensor:
+    """[1, L] token ids of the prompt as fitted (no special tokens added)."""
+    return loaded.tokenizer(sample.prompt, add_special_tokens=False, return_tensors="pt").input_ids
+
+
+@torch.inference_mode()
+def _warm_up(loaded: Loaded, sample) -> None:
+    """One untimed prefill of a prompt of this length, so kernel compilation is not timed."""
+    loaded.model(input_ids=_input_ids(loaded, sample).to(loaded.device), use_cache=True)
+    torch.cuda.synchronize(loaded.device)
+
+
 def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
 def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample, length) -> dict:
-    ids = loaded.tokenizer(sample.prompt, add_special_tokens=False, return_tensors="pt").input_ids
+    ids = _input_ids(loaded, sample)
     recorder.reset()
     new, ttft, total = greedy_generate(
         loaded.model, ids.to(loaded.device), sample.max_new_tokens, eos
