@@ -138,9 +138,17 @@ def write_summary(exp_dir: Path) -> pd.DataFrame | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("exp_dirs", nargs="+", type=Path, help="results/runs/<experiment>/<model>")
+    ap.add_argument(
+        "exp_dirs",
+        nargs="*",
+        type=Path,
+        help="results/runs/<experiment>/<model> (default: every one under results/)",
+    )
     args = ap.parse_args(argv)
-    for d in args.exp_dirs:
+    dirs = args.exp_dirs or sorted(p for p in Path("results/runs").glob("*/*") if p.is_dir())
+    if not dirs:
+        print("no run records under results/runs", file=sys.stderr)
+    for d in dirs:
         overall = write_summary(d)
         if overall is None:
             print(f"{d}: no run records", file=sys.stderr)
