@@ -76,14 +76,16 @@ def plot_score_vs_density(overall: pd.DataFrame, by_task: pd.DataFrame, path: Pa
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    for method, grp in by_task.groupby("method", sort=False):
+    # Distinct markers, shrinking, so methods that land on the same point stay visible.
+    markers = "osD^vPX*"
+    for n, (method, grp) in enumerate(by_task.groupby("method", sort=False)):
         ax.scatter(100 * grp["density"], grp["score"], alpha=0.35, s=18)
         ov = overall[overall["method"] == method]
         ax.plot(
             100 * ov["density"],
             ov["score"],
-            marker="o",
-            ms=8,
+            marker=markers[n % len(markers)],
+            ms=max(4, 11 - 2 * n),
             lw=1.5,
             label=method,
             color=ax.collections[-1].get_facecolor()[0][:3],
