@@ -1,1 +1,3 @@
-"""Baseline selectors, one file per method."""
+"""Baseline selectors, one file per method; each class here is registered by its `name`."""
+
+SELECTORS: list[type] = []

@@ -37,7 +37,11 @@ def execute(
     """Sparse causal prefill attention over the selection's kept blocks; out [B, Hq, N, D].
 
     q [B, Hq, N, D], k/v [B, Hkv, N, D]; the selection is per query head and N = seq_len.
+    A pattern that is not block-level (e.g. MInference's vertical-slash) is not a
+    `BlockSelection`: it brings its own executor as `selection.attend(q, k, v, scale)`.
     """
+    if not isinstance(selection, BlockSelection):
+        return selection.attend(q, k, v, scale=scale)
     if selection.seq_len != q.shape[2]:
         raise ValueError(
             f"selection was made for seq_len={selection.seq_len} but q has N={q.shape[2]}"

@@ -14,6 +14,11 @@ from rbs_bench.methods.selection import BlockSelection, Selector
 
 REGISTRY: dict[str, type] = {cls.name: cls for cls in (Dense, RBS, Centroid, FullL2)}
 
+# Baselines import the selection API from this package's submodules; register them after it.
+from rbs_bench.baselines import SELECTORS as _BASELINES  # noqa: E402
+
+REGISTRY.update({cls.name: cls for cls in _BASELINES})
+
 __all__ = ["REGISTRY", "BlockSelection", "Selector", "UnknownMethodError", "available", "build"]
 
 
