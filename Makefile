@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= dev
 
-.PHONY: install quickstart ruler-budget test test-gpu lint report clean-results
+.PHONY: install quickstart ruler-budget test test-gpu lint report bench-attention gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,15 @@ test: install
 # GPU-marked tests (FlexAttention, CUDA paths); run on a machine with a CUDA device.
 test-gpu: install
 	$(PY) -m pytest -q -m gpu
+
+# Standalone prefill attention: dense SDPA/FlexAttention vs RBS at 2/5/10% density, 16K-256K.
+# Writes results/speed/attention_<gpu>.csv and .png. Needs a CUDA device.
+bench-attention: install
+	$(PY) -m rbs_bench.bench.attention
+
+# The gpu tests and the attention benchmark in one call (one GPU lease).
+gpu-check: install
+	$(PY) -m rbs_bench.bench.gpu_check
 
 lint: install
 	$(PY) -m ruff check src kernels baselines tests

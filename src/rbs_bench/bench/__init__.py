@@ -1,0 +1,1 @@
+"""Benchmarks that time attention, TTFT and memory on a GPU."""
