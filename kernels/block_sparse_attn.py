@@ -6,15 +6,28 @@ layout of FlexAttention's `BlockMask.from_kv_blocks`. Query block i covers the t
 [i * block_q, min((i + 1) * block_q, N)), key block j likewise with block_k; the last block of
 either kind may be partial, and block_q may differ from block_k.
 Inside the kept blocks attention is causal (key position <= query position).
+
+`block_sparse_attention` is the Triton kernel (CUDA, or the CPU under TRITON_INTERPRET=1);
+`block_sparse_attention_ref` and `block_sparse_attention_varlen_ref` are its PyTorch references.
+The module imports without triton: only the kernel then refuses to run.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # laptops and CI without triton: the references still work
+    triton = None
+
+HAS_TRITON = triton is not None
 
 
 def check_block_sparse_inputs(
@@ -27,6 +40,15 @@ def check_block_sparse_inputs(
     block_k: int,
 ) -> None:
     """Raise ValueError with a one-line message when the shapes or dtypes do not fit together."""
+    _check_qkv(q, k, v, block_q, block_k)
+    b, hq, n = q.shape[:3]
+    _check_lists(kv_count, kv_indices, (b, hq), n, block_q, block_k, f"N={n}")
+    devices = {t.device for t in (q, k, v, kv_count, kv_indices)}
+    if len(devices) != 1:
+        raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
+
+
+def _check_qkv(q: Tensor, k: Tensor, v: Tensor, block_q: int, block_k: int) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be [B, H, N, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -42,24 +64,72 @@ def check_block_sparse_inputs(
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({k.shape[1]})")
     if block_q <= 0 or block_k <= 0:
         raise ValueError(f"block sizes must be positive; got block_q={block_q}, block_k={block_k}")
+
+
+def _check_lists(
+    kv_count: Tensor,
+    kv_indices: Tensor,
+    lead: tuple[int, int],
+    n: int,
+    block_q: int,
+    block_k: int,
+    what: str,
+) -> None:
+    """Selection lists [*lead, Mq] / [*lead, Mq, Mk] for sequences of (at most) n tokens."""
     mq, mk = math.ceil(n / block_q), math.ceil(n / block_k)
+    b, hq = lead
     if tuple(kv_count.shape) != (b, hq, mq):
         raise ValueError(
-            f"kv_count must be [B, Hq, Mq] = [{b}, {hq}, {mq}] for N={n}, "
+            f"kv_count must be [B, Hq, Mq] = [{b}, {hq}, {mq}] for {what}, "
             f"block_q={block_q}; got {tuple(kv_count.shape)}"
         )
     if tuple(kv_indices.shape) != (b, hq, mq, mk):
         raise ValueError(
-            f"kv_indices must be [B, Hq, Mq, Mk] = [{b}, {hq}, {mq}, {mk}] for N={n}, "
+            f"kv_indices must be [B, Hq, Mq, Mk] = [{b}, {hq}, {mq}, {mk}] for {what}, "
             f"block_q={block_q}, block_k={block_k}; got {tuple(kv_indices.shape)}"
         )
     if kv_count.dtype != torch.int32 or kv_indices.dtype != torch.int32:
         raise ValueError(
             f"kv_count and kv_indices must be int32; got {kv_count.dtype}, {kv_indices.dtype}"
         )
-    devices = {t.device for t in (q, k, v, kv_count, kv_indices)}
+
+
+def check_varlen_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_count: Tensor,
+    kv_indices: Tensor,
+    block_q: int,
+    block_k: int,
+    cu_seqlens: Tensor,
+) -> list[int]:
+    """Like `check_block_sparse_inputs` for packed sequences; returns the S sequence lengths.
+
+    q [1, Hq, total, D], k/v [1, Hkv, total, D], cu_seqlens int32 [S + 1] (0, ..., total),
+    kv_count [S, Hq, Mq_max], kv_indices [S, Hq, Mq_max, Mk_max] for the longest sequence.
+    """
+    _check_qkv(q, k, v, block_q, block_k)
+    if q.shape[0] != 1:
+        raise ValueError(f"packed (cu_seqlens) inputs must have batch 1; got {q.shape[0]}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype != torch.int32:
+        raise ValueError(
+            f"cu_seqlens must be int32 [S + 1] with S >= 1; got {cu_seqlens.dtype} "
+            f"{tuple(cu_seqlens.shape)}"
+        )
+    bounds = cu_seqlens.tolist()  # one host sync
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    if bounds[0] != 0 or bounds[-1] != q.shape[2] or min(lengths) < 0:
+        raise ValueError(
+            f"cu_seqlens must rise from 0 to the packed length {q.shape[2]}; got {bounds}"
+        )
+    longest = max(lengths)
+    what = f"the longest sequence ({longest} tokens)"
+    _check_lists(kv_count, kv_indices, (len(lengths), q.shape[1]), longest, block_q, block_k, what)
+    devices = {t.device for t in (q, k, v, kv_count, kv_indices, cu_seqlens)}
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device; got {sorted(map(str, devices))}")
+    return lengths
 
 
 def block_geometry(seq_len: int, block_q: int, block_k: int, device=None) -> tuple[Tensor, Tensor]:
@@ -177,6 +247,410 @@ def block_sparse_attention_ref(
     return (out, lse) if return_lse else out
 
 
+def block_sparse_attention_varlen_ref(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_count: Tensor,
+    kv_indices: Tensor,
+    block_q: int,
+    block_k: int,
+    cu_seqlens: Tensor,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """`block_sparse_attention_ref` over packed sequences, one sequence at a time.
+
+    q [1, Hq, total, D], k/v [1, Hkv, total, D] hold S sequences at the offsets cu_seqlens
+    int32 [S + 1]; kv_count [S, Hq, Mq_max] / kv_indices [S, Hq, Mq_max, Mk_max] hold each
+    sequence's selection with block ids local to it (ids past a shorter sequence's last block
+    are ignored). No attention crosses a sequence boundary.
+    """
+    lengths = check_varlen_inputs(q, k, v, kv_count, kv_indices, block_q, block_k, cu_seqlens)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+    start = 0
+    for s, n in enumerate(lengths):
+        if n > 0:
+            mq, mk = math.ceil(n / block_q), math.ceil(n / block_k)
+            rows = slice(start, start + n)
+            # Kept ids past this sequence's own last block attend to nothing: drop them.
+            kept = block_mask_from_lists(kv_count[s : s + 1], kv_indices[s : s + 1])
+            count, indices = block_lists_from_mask(kept[:, :, :mq, :mk])
+            o, row_lse = block_sparse_attention_ref(
+                q[:, :, rows],
+                k[:, :, rows],
+                v[:, :, rows],
+                count,
+                indices,
+                block_q,
+                block_k,
+                scale=scale,
+                return_lse=True,
+            )
+            out[:, :, rows], lse[:, :, rows] = o, row_lse
+        start += n
+    return (out, lse) if return_lse else out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel: one program per (query tile of <= 128 rows, query head, batch or sequence).
+# It walks the tile's kept key blocks in ascending order with an online softmax (exp2, the
+# scale folded into log2(e)). The kept ids split into three runs, counted up front: blocks that
+# lie wholly before the tile's first query (no mask at all: the hot loop), blocks that cross
+# the diagonal or the end of the sequence (causal mask), and blocks after the tile's last query
+# (skipped). K/V are read through kv head h // GROUP, never repeated.
+# ---------------------------------------------------------------------------------------------
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _attend_tile(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_base,
+        v_base,
+        start_n,
+        offs_m,
+        offs_n,
+        offs_d,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        seq_len,
+        qk_scale,
+        diag,
+        MASKED: tl.constexpr,
+        MERGED: tl.constexpr,
+    ):
+        # MASKED: causal mask on this tile; MERGED: mask only where the runtime flag diag says
+        cols = start_n + offs_n  # [BLOCK_N] key positions
+        k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        if MASKED or MERGED:
+            k = tl.load(k_ptrs, mask=cols[:, None] < seq_len, other=0.0)  # [BLOCK_N, D]
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] raw scores
+        if MERGED:
+            if diag:
+                s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        elif MASKED:
+            # keys past the end of the sequence are later than every real query too
+            s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_use = m_new
+        p = tl.exp2(s * qk_scale - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED or MERGED:
+            v = tl.load(v_ptrs, mask=cols[:, None] < seq_len, other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        return acc, l_i, m_new
+
+    @triton.jit
+    def _block_sparse_fwd_kernel(
+        Q,
+        K,
+        V,
+        Out,
+        Lse,
+        KvCount,
+        KvIndices,
+        CuSeqlens,
+        stride_qb,
+        stride_qh,
+        stride_qn,
+        stride_qd,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        stride_ob,
+        stride_oh,
+        stride_on,
+        stride_od,
+        stride_lb,
+        stride_lh,
+        stride_ln,
+        stride_cb,
+        stride_ch,
+        stride_cm,
+        stride_ib,
+        stride_ih,
+        stride_im,
+        stride_ik,
+        seq_len,
+        num_q_tiles,
+        num_k_blocks,
+        qk_scale,
+        GROUP: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        SCAN: tl.constexpr,
+        VARLEN: tl.constexpr,
+        STORE_LSE: tl.constexpr,
+        MERGE_DIAG: tl.constexpr,
+    ):
+        # The query tiles of one head run side by side (they share its kv head's blocks in L2;
+        # measured faster than the heads of one tile side by side), late (heavy) tiles first.
+        tile = num_q_tiles - 1 - tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)  # batch index, or sequence index when VARLEN
+        if VARLEN:
+            row0 = tl.load(CuSeqlens + b).to(tl.int64)
+            seq_len = (tl.load(CuSeqlens + b + 1) - row0).to(tl.int32)
+            bat = 0
+        else:
+            row0 = 0
+            bat = b.to(tl.int64)
+        q_start = tile * BLOCK_M
+        if q_start >= seq_len:
+            return
+        kv_h = (h // GROUP).to(tl.int64)
+        h64 = h.to(tl.int64)
+        offs_m = q_start + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < seq_len
+
+        q_ptrs = Q + bat * stride_qb + h64 * stride_qh + row0 * stride_qn
+        q_ptrs += offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+        k_base = K + bat * stride_kb + kv_h * stride_kh + row0 * stride_kn
+        v_base = V + bat * stride_vb + kv_h * stride_vh + row0 * stride_vn
+
+        # This tile's selection row; b is the batch or the sequence index.
+        q_block = q_start // BLOCK_Q
+        b64 = tl.program_id(2).to(tl.int64)
+        count = tl.load(KvCount + b64 * stride_cb + h64 * stride_ch + q_block * stride_cm)
+        ids_row = KvIndices + b64 * stride_ib + h64 * stride_ih + q_block * stride_im
+        q_last = tl.minimum(q_start + BLOCK_M, seq_len) - 1
+        full_end = (q_start + 1) // BLOCK_K  # blocks < full_end end before the first query
+        vis_end = q_last // BLOCK_K + 1  # blocks >= vis_end start after the last query
+        # The first SCAN ids load alongside the count (not after it): one latency less.
+        offs_scan = tl.arange(0, SCAN)
+        ids = tl.load(ids_row + offs_scan * stride_ik, mask=offs_scan < num_k_blocks, other=0)
+        kept = offs_scan < count
+        n_full = tl.sum(((ids < full_end) & kept).to(tl.int32), 0)
+        n_vis = tl.sum(((ids < vis_end) & kept).to(tl.int32), 0)
+        for c0 in range(SCAN, count, SCAN):  # long lists (dense selections)
+            slot = c0 + offs_scan
+            ids = tl.load(ids_row + slot * stride_ik, mask=slot < count, other=vis_end)
+            n_full += tl.sum((ids < full_end).to(tl.int32), 0)
+            n_vis += tl.sum((ids < vis_end).to(tl.int32), 0)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        # Flattened (kept block, key tile) loop: BLOCK_K // BLOCK_N tiles per key block.
+        n_full_tiles = n_full * (BLOCK_K // BLOCK_N)
+        # MERGE_DIAG: one pipelined loop with the mask behind a branch (one pipeline fill less:
+        # pays when a tile keeps few blocks); else a mask-free loop, then the masked one.
+        if MERGE_DIAG:
+            for t in range(0, n_vis * (BLOCK_K // BLOCK_N)):
+                j = tl.load(ids_row + (t // (BLOCK_K // BLOCK_N)) * stride_ik)
+                start_n = j * BLOCK_K + (t % (BLOCK_K // BLOCK_N)) * BLOCK_N
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d,
+                    stride_kn, stride_kd, stride_vn, stride_vd, seq_len, qk_scale,
+                    t >= n_full_tiles, MASKED=False, MERGED=True,
+                )  # fmt: skip
+        else:
+            for t in range(0, n_full_tiles):
+                j = tl.load(ids_row + (t // (BLOCK_K // BLOCK_N)) * stride_ik)
+                start_n = j * BLOCK_K + (t % (BLOCK_K // BLOCK_N)) * BLOCK_N
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d,
+                    stride_kn, stride_kd, stride_vn, stride_vd, seq_len, qk_scale,
+                    False, MASKED=False, MERGED=False,
+                )  # fmt: skip
+            for t in range(n_full_tiles, n_vis * (BLOCK_K // BLOCK_N)):
+                j = tl.load(ids_row + (t // (BLOCK_K // BLOCK_N)) * stride_ik)
+                start_n = j * BLOCK_K + (t % (BLOCK_K // BLOCK_N)) * BLOCK_N
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d,
+                    stride_kn, stride_kd, stride_vn, stride_vd, seq_len, qk_scale,
+                    True, MASKED=True, MERGED=False,
+                )  # fmt: skip
+
+        seen = l_i > 0.0  # a row that saw no key gets 0 and lse -inf
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
+        o_ptrs = Out + bat * stride_ob + h64 * stride_oh + row0 * stride_on
+        o_ptrs += offs_m[:, None] * stride_on + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        if STORE_LSE:
+            lse = (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453  # log2 -> ln
+            lse = tl.where(seen, lse, float("-inf"))
+            l_ptrs = Lse + bat * stride_lb + h64 * stride_lh + (row0 + offs_m) * stride_ln
+            tl.store(l_ptrs, lse, mask=row_ok)
+
+    # (BLOCK_N, num_warps, num_stages, maxnreg, MERGE_DIAG); BLOCK_N is capped at block_k.
+    # On an H200 (d 128, block 128, 32K-128K, 2-10% density) the first was the fastest of every
+    # config timed: 128 registers and 96 KB of shared memory let two programs share an SM, so
+    # one's prologue and epilogue hide under the other's loop. The second is the same with the
+    # merged loop; the third is the one-program-per-SM fallback (e.g. for other head dims).
+    _TUNING_SPACE = ((64, 8, 2, 128, False), (64, 8, 2, 128, True), (128, 8, 3, None, False))
+
+    @functools.cache
+    def _tuned_kernel(block_k: int):
+        space = dict.fromkeys((min(bn, block_k), *rest) for bn, *rest in _TUNING_SPACE)
+        configs = [
+            triton.Config(
+                {"BLOCK_N": bn, "MERGE_DIAG": md}, num_warps=w, num_stages=st, maxnreg=reg
+            )
+            for bn, w, st, reg, md in space
+        ]
+        key = ["HEAD_DIM", "BLOCK_Q", "BLOCK_K", "GROUP", "VARLEN", "STORE_LSE"]
+        return triton.autotune(configs=configs, key=key)(_block_sparse_fwd_kernel)
+
+
+def _interpreted() -> bool:
+    """True when the kernel was built by triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    return HAS_TRITON and type(_block_sparse_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def _launch(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_count: Tensor,
+    kv_indices: Tensor,
+    block_q: int,
+    block_k: int,
+    scale: float | None,
+    return_lse: bool,
+    cu_seqlens: Tensor | None,
+    config: dict | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Check, allocate and launch; `config` (BLOCK_N, MERGE_DIAG, num_warps, num_stages, ...)
+    skips autotuning."""
+    if not HAS_TRITON:
+        raise RuntimeError(
+            "block_sparse_attention needs triton (pip install triton); "
+            "use block_sparse_attention_ref or the flex executor without it"
+        )
+    if cu_seqlens is None:
+        check_block_sparse_inputs(q, k, v, kv_count, kv_indices, block_q, block_k)
+        lengths = None
+    else:
+        lengths = check_varlen_inputs(q, k, v, kv_count, kv_indices, block_q, block_k, cu_seqlens)
+    d = q.shape[-1]
+    if not (_is_pow2(d) and 16 <= d <= 128):
+        raise ValueError(f"head dim must be a power of two in [16, 128]; got {d}")
+    if not (_is_pow2(block_q) and _is_pow2(block_k) and min(block_q, block_k) >= 16):
+        raise ValueError(
+            f"block sizes must be powers of two >= 16; got block_q={block_q}, block_k={block_k}"
+        )
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (
+        q.dtype == k.dtype == v.dtype
+    ):
+        raise ValueError(
+            f"q, k, v must share one of float16/bfloat16/float32; got {q.dtype}, {k.dtype}, "
+            f"{v.dtype}"
+        )
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if not scale > 0:
+        raise ValueError(f"scale must be positive; got {scale}")
+    if q.device.type != "cuda" and not _interpreted():
+        raise ValueError(
+            "the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
+            "imported); use block_sparse_attention_ref on the CPU"
+        )
+
+    b, hq, n, _ = q.shape
+    out = torch.empty_like(q)
+    if return_lse:
+        lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
+    else:
+        lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)  # never written
+    block_m = min(block_q, 128)  # a larger query block runs as several tiles
+    longest = n if lengths is None else max(lengths)
+    num_q_tiles = math.ceil(longest / block_m)
+    grid = (num_q_tiles, hq, b if lengths is None else len(lengths))
+    if num_q_tiles == 0:
+        return (out, lse) if return_lse else out
+
+    args = (
+        q, k, v, out, lse, kv_count, kv_indices,
+        kv_count if cu_seqlens is None else cu_seqlens,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+        *kv_count.stride(), *kv_indices.stride(),
+        n, num_q_tiles, kv_indices.shape[-1], scale * 1.4426950408889634,
+    )  # fmt: skip
+    meta = dict(
+        GROUP=hq // k.shape[1],
+        HEAD_DIM=d,
+        BLOCK_Q=block_q,
+        BLOCK_K=block_k,
+        BLOCK_M=block_m,
+        SCAN=8 if _interpreted() else 128,  # small lists in CPU tests still take two chunks
+        VARLEN=cu_seqlens is not None,
+        STORE_LSE=return_lse,
+    )
+    if config is None and _interpreted():  # no timing under the interpreter
+        config = {"BLOCK_N": min(block_k, 64), "MERGE_DIAG": False, "num_warps": 4}
+    if config is None:
+        _tuned_kernel(block_k)[grid](*args, **meta)
+    else:
+        _block_sparse_fwd_kernel[grid](*args, **meta, **config)
+    return (out, lse) if return_lse else out
+
+
+def block_sparse_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_count: Tensor,
+    kv_indices: Tensor,
+    block_q: int,
+    block_k: int,
+    scale: float | None = None,
+    return_lse: bool = False,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Block-sparse causal prefill attention, Triton forward kernel (CUDA; CPU when interpreted).
+
+    Same semantics as `block_sparse_attention_ref`: q [B, Hq, N, D], k/v [B, Hkv, N, D] (query
+    head h reads kv head h // (Hq // Hkv)), kv_count int32 [B, Hq, Mq], kv_indices int32
+    [B, Hq, Mq, Mk] (kept ids ascending, padding ignored). Kept blocks after a query block's
+    last query are skipped; the causal mask is applied only where a key block crosses the
+    diagonal. fp32 accumulation; a row that sees no key gets 0 and lse -inf.
+
+    With `cu_seqlens` int32 [S + 1], q/k/v are packed [1, H, total, D] and the lists are
+    [S, Hq, Mq_max] / [S, Hq, Mq_max, Mk_max] with block ids local to each sequence
+    (see `block_sparse_attention_varlen_ref`); sequences never attend to each other.
+
+    Needs block_q, block_k powers of two >= 16, head dim a power of two <= 128, and
+    float16/bfloat16 (float32 runs with tf32 dots on the GPU). Returns out in q's dtype, and
+    with `return_lse` also the natural-log logsumexp fp32 [B, Hq, N].
+    """
+    return _launch(q, k, v, kv_count, kv_indices, block_q, block_k, scale, return_lse, cu_seqlens)
+
+
 def main() -> None:
     torch.manual_seed(0)
     b, hq, hkv, n, d, block = 1, 4, 2, 1000, 64, 128
@@ -195,6 +669,11 @@ def main() -> None:
         f"N={n} D={d} heads {hq}/{hkv} block {block}: density {density:.3f}, "
         f"max |ref - dense masked SDPA| = {(out - dense).abs().max().item():.2e}"
     )
+    if HAS_TRITON and (torch.cuda.is_available() or _interpreted()):
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        lists = (kv_count.to(dev), kv_indices.to(dev), block, block)
+        kernel = block_sparse_attention(q.to(dev), k.to(dev), v.to(dev), *lists).cpu()
+        print(f"max |triton kernel - ref| = {(kernel - out).abs().max().item():.2e} ({dev})")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Run a `BlockSelection` as sparse attention with one of the executors.
 
-`reference` is the PyTorch reference (any device); `flex` is compiled FlexAttention (CUDA only).
-`auto` picks flex on CUDA and the reference elsewhere.
+`reference` is the PyTorch reference (any device); `triton` is our Triton kernel and `flex`
+compiled FlexAttention (both CUDA only). `auto` picks triton on CUDA (flex when triton is not
+installed) and the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -9,17 +10,31 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rbs_bench.kernels.block_sparse_attn import block_sparse_attention_ref
+from rbs_bench.kernels.block_sparse_attn import (
+    HAS_TRITON,
+    block_sparse_attention,
+    block_sparse_attention_ref,
+)
 from rbs_bench.kernels.flex_attn import flex_block_sparse_attention
 from rbs_bench.methods.selection import BlockSelection
 
-EXECUTORS = ("reference", "flex")
+EXECUTORS = ("reference", "flex", "triton")
+_KERNELS = {
+    "reference": block_sparse_attention_ref,
+    "flex": flex_block_sparse_attention,
+    "triton": block_sparse_attention,
+}
 
 
 def resolve_executor(name: str, device) -> str:
-    """The executor that `name` means on `device`: "auto" -> "flex" on CUDA, else "reference"."""
+    """The executor that `name` means on `device`.
+
+    "auto" -> "triton" on CUDA ("flex" if triton is not installed), "reference" elsewhere.
+    """
     if name == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "reference"
+        if torch.device(device).type != "cuda":
+            return "reference"
+        return "triton" if HAS_TRITON else "flex"
     if name not in EXECUTORS:
         valid = ", ".join(("auto", *EXECUTORS))
         raise ValueError(f"unknown executor {name!r}; choose one of: {valid}")
@@ -40,13 +55,14 @@ def execute(
     A pattern that is not block-level (e.g. MInference's vertical-slash) is not a
     `BlockSelection`: it brings its own executor as `selection.attend(q, k, v, scale)`.
     """
-    if not isinstance(selection, BlockSelection):
-        return selection.attend(q, k, v, scale=scale)
+    if not isinstance(selection, BlockSelection):  # brings its own executors
+        own = "reference" if resolve_executor(executor, q.device) == "reference" else "auto"
+        return selection.attend(q, k, v, scale=scale, executor=own)
     if selection.seq_len != q.shape[2]:
         raise ValueError(
             f"selection was made for seq_len={selection.seq_len} but q has N={q.shape[2]}"
         )
     name = resolve_executor(executor, q.device)
-    kernel = flex_block_sparse_attention if name == "flex" else block_sparse_attention_ref
+    kernel = _KERNELS[name]
     lists = (selection.kv_count, selection.kv_indices, selection.block_q, selection.block_k)
     return kernel(q, k, v, *lists, scale=scale)

@@ -1,0 +1,360 @@
+"""The Triton block-sparse kernel against dense SDPA with the block mask expanded to tokens.
+
+CPU cases run the kernel under triton's interpreter. TRITON_INTERPRET is read when a kernel is
+decorated, i.e. when `rbs_bench.kernels.block_sparse_attn` is first imported, and other test
+modules import it (and Inductor's kernels read the variable too), so the interpreted runs happen
+in worker subprocesses started with TRITON_INTERPRET=1: this file run as a script. The workers
+only run the kernel and save its outputs; inputs, references and every assertion stay here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+import rbs_bench.kernels.block_sparse_attn as bsa  # noqa: E402
+from rbs_bench.kernels.block_sparse_attn import (  # noqa: E402
+    block_lists_from_mask,
+    block_sparse_attention,
+    block_sparse_attention_varlen_ref,
+    expand_block_mask,
+)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One kernel run: lengths has one entry per batch row, or per sequence when varlen."""
+
+    hq: int
+    hkv: int
+    lengths: tuple[int, ...]
+    d: int
+    dtype: torch.dtype = torch.float32
+    density: str = "random"  # zero | random | full | empty-rows
+    block_q: int = 64
+    block_k: int = 64
+    varlen: bool = False
+    strided: bool = False  # q/k/v as [B, N, H, D] memory seen through a transpose
+    scale: float | None = None
+    seed: int = 0
+    merge_diag: bool = False  # the kernel's one-loop variant (a tuning choice) instead
+
+
+F32, F16 = torch.float32, torch.float16
+CASES = {
+    "N1-H2/2-D64-full": Case(2, 2, (1,), 64, density="full"),
+    "N127-H4/1-D64": Case(4, 1, (127,), 64),
+    "N128-H8/1-D128-fp16": Case(8, 1, (128,), 128, F16),
+    "N129-B2-H4/4-D64": Case(4, 4, (129, 129), 64, seed=1),
+    "N129-H4/2-D64-zero": Case(4, 2, (129,), 64, density="zero"),
+    "N1000-H4/1-D64-strided-scale": Case(4, 1, (1000,), 64, strided=True, scale=0.3),
+    "N1000-H2/1-D128-full-fp16": Case(2, 1, (1000,), 128, F16, density="full"),
+    "N1000-H2/2-D64-fp16-bq64-bk128": Case(2, 2, (1000,), 64, F16, block_k=128),
+    "N300-H2/1-D64-bq128-bk64": Case(2, 1, (300,), 64, block_q=128),
+    "N600-H2/1-D64-bq256-bk64": Case(2, 1, (600,), 64, block_q=256, seed=2),
+    "N100-H1/1-D16-empty-rows": Case(1, 1, (100,), 16, density="empty-rows"),
+    "varlen-100,1,257-H4/2-D64": Case(4, 2, (100, 1, 257), 64, varlen=True, seed=3),
+    "varlen-129,0,64-H8/1-D128-fp16": Case(8, 1, (129, 0, 64), 128, F16, varlen=True, seed=4),
+    # the merged-loop variant on the shapes where masked and unmasked tiles interleave
+    "merged-N127-H4/1-D64": Case(4, 1, (127,), 64, merge_diag=True),
+    "merged-N1000-H2/2-D64-fp16-bq64-bk128": Case(
+        2, 2, (1000,), 64, F16, block_k=128, merge_diag=True
+    ),
+    "merged-N600-H2/1-D64-bq256-bk64": Case(2, 1, (600,), 64, block_q=256, seed=2, merge_diag=True),
+    "merged-N100-H1/1-D16-empty-rows": Case(
+        1, 1, (100,), 16, density="empty-rows", merge_diag=True
+    ),
+    "merged-varlen-100,1,257-H4/2-D64": Case(
+        4, 2, (100, 1, 257), 64, varlen=True, seed=3, merge_diag=True
+    ),
+}
+
+
+def make_case(case: Case):
+    """(q, k, v, per-row block masks, kv_count, kv_indices, cu_seqlens or None).
+
+    The masks keep blocks above the diagonal too (the kernel must skip them) and the lists'
+    padding is junk.
+    """
+    gen = torch.Generator().manual_seed(case.seed)
+    rows, total = len(case.lengths), sum(case.lengths)
+    b, n = (1, total) if case.varlen else (rows, case.lengths[0])
+    if case.strided:  # [B, N, H, D] storage, as a model's projections give it
+        q, k, v = (
+            torch.randn(b, n, h, case.d, generator=gen) for h in (case.hq, case.hkv, case.hkv)
+        )
+        q, k, v = (x.to(case.dtype).transpose(1, 2) for x in (q, k, v))
+    else:
+        q, k, v = (
+            torch.randn(b, h, n, case.d, generator=gen) for h in (case.hq, case.hkv, case.hkv)
+        )
+        q, k, v = (x.to(case.dtype) for x in (q, k, v))
+    longest = max(case.lengths)
+    mq, mk = math.ceil(longest / case.block_q), math.ceil(longest / case.block_k)
+    if case.density == "zero":
+        masks = torch.zeros(rows, case.hq, mq, mk, dtype=torch.bool)
+    elif case.density == "full":
+        masks = torch.ones(rows, case.hq, mq, mk, dtype=torch.bool)
+    elif case.density == "empty-rows":  # query block 0 sees nothing; rows 64..99 see 64..row
+        masks = torch.tensor([[False, True], [False, True]]).expand(rows, case.hq, 2, 2)
+    else:
+        masks = torch.rand(rows, case.hq, mq, mk, generator=gen) < 0.5
+    count, indices = block_lists_from_mask(masks)
+    junk = torch.randint(0, mk, indices.shape, generator=gen, dtype=torch.int32)
+    indices = torch.where(torch.arange(mk) >= count[..., None], junk, indices)
+    cu = None
+    if case.varlen:
+        cu = torch.tensor([0, *torch.tensor(case.lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, masks, count, indices, cu
+
+
+def run_kernel(case: Case):
+    q, k, v, _, count, indices, cu = make_case(case)
+    lists = (count, indices, case.block_q, case.block_k)
+    if case.merge_diag:
+        config = {"BLOCK_N": min(case.block_k, 64), "MERGE_DIAG": True, "num_warps": 4}
+        return bsa._launch(q, k, v, *lists, case.scale, True, cu, config)
+    return block_sparse_attention(q, k, v, *lists, scale=case.scale, return_lse=True, cu_seqlens=cu)
+
+
+def dense_truth(case: Case, dtype: torch.dtype):
+    """Dense SDPA in `dtype` per batch row / sequence on the expanded mask; (out, lse) packed.
+
+    Rows that see no key are 0 / -inf. lse comes from float64 scores.
+    """
+    q, k, v, masks, *_ = make_case(case)
+    scale = 1.0 / math.sqrt(case.d) if case.scale is None else case.scale
+    outs, lses, start = [], [], 0
+    for r, n in enumerate(case.lengths):
+        bi, rows = (0, slice(start, start + n)) if case.varlen else (r, slice(None))
+        qs, ks, vs = (x[bi : bi + 1, :, rows].to(dtype) for x in (q, k, v))
+        token_mask = expand_block_mask(masks[r : r + 1], case.block_q, case.block_k, n)
+        seen = token_mask.any(-1, keepdim=True)
+        out = F.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=token_mask, scale=scale, enable_gqa=True
+        )
+        outs.append(torch.where(seen, out, torch.zeros_like(out)))
+        k_rep = ks.double().repeat_interleave(case.hq // case.hkv, dim=1)  # test-side only
+        scores = torch.einsum("bhtd,bhsd->bhts", qs.double(), k_rep) * scale
+        lses.append(scores.masked_fill(~token_mask, float("-inf")).logsumexp(-1))
+        start += n
+    cat = 2 if case.varlen else 0
+    return torch.cat(outs, cat), torch.cat(lses, cat)
+
+
+def worker_main(out_path: str, case_ids: list[str]) -> None:
+    """Run the kernel (interpreted) on each case; save {id: (out, lse) or error text}."""
+    import traceback
+
+    assert bsa._interpreted(), "worker must start with TRITON_INTERPRET=1"
+    results = {}
+    for cid in case_ids:
+        try:
+            results[cid] = run_kernel(CASES[cid])
+        except Exception:  # reported by the test of that case
+            results[cid] = traceback.format_exc()
+    torch.save(results, out_path)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """Kernel outputs of every CPU case, from two interpreter workers running in parallel."""
+    cost = {cid: c.hq * sum(n * n for n in c.lengths) * c.d for cid, c in CASES.items()}
+    groups: list[list[str]] = [[], []]
+    for cid in sorted(cost, key=cost.get, reverse=True):  # greedy balance
+        min(groups, key=lambda g: sum(cost[x] for x in g)).append(cid)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = [os.path.join(tmp, f"worker{i}.pt") for i in range(len(groups))]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, path, *group],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for path, group in zip(paths, groups)
+        ]
+        for proc, path in zip(procs, paths):
+            log, _ = proc.communicate(timeout=600)
+            if proc.returncode != 0:
+                pytest.fail(f"interpreter worker failed:\n{log[-4000:]}")
+            results.update(torch.load(path, weights_only=False))
+    return results
+
+
+@pytest.mark.parametrize("cid", list(CASES))
+def test_kernel_matches_dense_interpreted(interpreted, cid):
+    case = CASES[cid]
+    result = interpreted[cid]
+    assert not isinstance(result, str), result
+    out, lse = result
+    q = make_case(case)[0]
+    assert out.shape == q.shape and out.dtype == case.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+
+    truth, truth_lse = dense_truth(case, torch.float64)
+    torch_out, _ = dense_truth(case, case.dtype)  # the same dtype through PyTorch
+    err = (out.double() - truth).abs().max().item()
+    torch_err = (torch_out.double() - truth).abs().max().item()
+    assert err <= 2 * torch_err + 1e-5, (
+        f"kernel err {err:.3e} vs torch {case.dtype} {torch_err:.3e}"
+    )
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(truth_lse))
+    seen = torch.isfinite(truth_lse)
+    assert torch.equal(out[~seen].abs().sum(), torch.zeros((), dtype=out.dtype))
+    atol = 1e-4 if case.dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(lse[seen].double(), truth_lse[seen], atol=atol, rtol=1e-5)
+
+
+def test_varlen_ref_matches_dense():
+    case = CASES["varlen-100,1,257-H4/2-D64"]
+    q, k, v, _, count, indices, cu = make_case(case)
+    out, lse = block_sparse_attention_varlen_ref(q, k, v, count, indices, 64, 64, cu, None, True)
+    truth, truth_lse = dense_truth(case, torch.float64)
+    torch.testing.assert_close(out.double(), truth, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), truth_lse, atol=1e-5, rtol=1e-5)
+
+
+def bad_inputs():
+    q, k, v, _, count, indices, _ = make_case(Case(4, 2, (100,), 16))
+    return dict(q=q, k=k, v=v, kv_count=count, kv_indices=indices, block_q=64, block_k=64)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda a: {**a, "kv_count": a["kv_count"][..., :-1]}, "kv_count must be"),
+        (lambda a: {**a, "block_q": 48, "kv_count": a["kv_count"][..., :-1]}, "kv_count must"),
+        (lambda a: {**a, "k": a["k"].half(), "v": a["v"].half()}, "share one of"),
+        (lambda a: {**a, "cu_seqlens": torch.tensor([0, 50, 90], dtype=torch.int32)}, "rise"),
+        (lambda a: {**a, "cu_seqlens": torch.tensor([0, 100])}, "int32"),
+    ],
+)
+def test_kernel_rejects_bad_inputs(change, message):
+    with pytest.raises(ValueError, match=message):
+        block_sparse_attention(**change(bad_inputs()))
+
+
+def test_kernel_rejects_odd_blocks_and_dims():
+    args = bad_inputs()
+    count, indices = block_lists_from_mask(torch.ones(1, 4, 3, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="powers of two"):
+        block_sparse_attention(**{**args, "kv_count": count, "kv_indices": indices, "block_q": 48})
+    q, k, v = (torch.randn(1, h, 100, 96) for h in (4, 2, 2))
+    with pytest.raises(ValueError, match="head dim"):
+        block_sparse_attention(**{**args, "q": q, "k": k, "v": v})
+
+
+@pytest.mark.skipif(bsa._interpreted(), reason="this process runs the interpreter")
+def test_kernel_refuses_cpu_tensors():
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        block_sparse_attention(**bad_inputs())
+
+
+def test_missing_triton_is_one_line_error(monkeypatch):
+    monkeypatch.setattr(bsa, "HAS_TRITON", False)
+    with pytest.raises(RuntimeError, match="needs triton"):
+        block_sparse_attention(**bad_inputs())
+
+
+# ------------------------------------------------------------------------------- GPU (bf16)
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def random_selection(b, h, n, bq, bk, p, seed, device):
+    gen = torch.Generator().manual_seed(seed)
+    mq, mk = math.ceil(n / bq), math.ceil(n / bk)
+    mask = torch.rand(b, h, mq, mk, generator=gen) < p
+    count, indices = block_lists_from_mask(mask)
+    junk = torch.randint(0, mk, indices.shape, generator=gen, dtype=torch.int32)
+    indices = torch.where(torch.arange(mk) >= count[..., None], junk, indices)
+    return mask.to(device), count.to(device), indices.to(device)
+
+
+def dense_masked_gpu(q, k, v, token_mask, dtype):
+    group = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(group, dim=1).to(dtype) for x in (k, v))  # test-side only
+    out = F.scaled_dot_product_attention(q.to(dtype), k, v, attn_mask=token_mask)
+    return torch.where(token_mask.any(-1, keepdim=True), out, torch.zeros_like(out)).float()
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize(  # p 0.6 at Mk 256: lists longer than the kernel's first id chunk
+    "n, d, bq, bk, p",
+    [
+        (4096, 64, 128, 128, 0.3),
+        (4096, 128, 64, 64, 0.3),
+        (16384, 128, 128, 128, 0.3),
+        (16384, 64, 128, 64, 0.6),
+    ],
+)
+def test_kernel_matches_dense_bf16_gpu(n, d, bq, bk, p):
+    hq, hkv = 8, 1  # GQA group 8
+    gen = torch.Generator().manual_seed(n + d)
+    q, k, v = (
+        torch.randn(1, h, n, d, generator=gen).to("cuda", torch.bfloat16) for h in (hq, hkv, hkv)
+    )
+    mask, count, indices = random_selection(1, hq, n, bq, bk, p, n, "cuda")
+    token_mask = expand_block_mask(mask, bq, bk, n)
+    truth = dense_masked_gpu(q, k, v, token_mask, torch.float32)
+    out, lse = block_sparse_attention(q, k, v, count, indices, bq, bk, return_lse=True)
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    err = (out.float() - truth).abs().max().item()
+    torch_err = (dense_masked_gpu(q, k, v, token_mask, torch.bfloat16) - truth).abs().max().item()
+    assert err <= 2 * torch_err + 1e-5, f"kernel err {err:.3e} vs torch bf16 err {torch_err:.3e}"
+    if n <= 4096:
+        k_rep = k.float().repeat_interleave(hq // hkv, dim=1)
+        scores = torch.einsum("bhtd,bhsd->bhts", q.float(), k_rep) / math.sqrt(d)
+        expected = scores.masked_fill(~token_mask, float("-inf")).logsumexp(-1)
+        seen = torch.isfinite(expected)
+        assert torch.equal(seen, torch.isfinite(lse))
+        torch.testing.assert_close(lse[seen], expected[seen], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_kernel_varlen_bf16_gpu():
+    hq, hkv, d, block = 8, 2, 128, 128
+    lengths = [3000, 1, 5000, 129]
+    mq = math.ceil(max(lengths) / block)
+    gen = torch.Generator().manual_seed(7)
+    total = sum(lengths)
+    q, k, v = (
+        torch.randn(1, h, total, d, generator=gen).to("cuda", torch.bfloat16)
+        for h in (hq, hkv, hkv)
+    )
+    mask, count, indices = random_selection(
+        len(lengths), hq, mq * block, block, block, 0.3, 7, "cuda"
+    )
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = block_sparse_attention(q, k, v, count, indices, block, block, cu_seqlens=cu.cuda())
+    start = 0
+    for s, n in enumerate(lengths):
+        rows = slice(start, start + n)
+        m = math.ceil(n / block)
+        token_mask = expand_block_mask(mask[s : s + 1, :, :m, :m], block, block, n)
+        qs, ks, vs = (x[:, :, rows] for x in (q, k, v))
+        truth = dense_masked_gpu(qs, ks, vs, token_mask, torch.float32)
+        torch_err = (dense_masked_gpu(qs, ks, vs, token_mask, torch.bfloat16) - truth).abs().max()
+        err = (out[:, :, rows].float() - truth).abs().max()
+        assert err <= 2 * torch_err + 1e-5, f"sequence {s}: err {err:.3e} vs torch {torch_err:.3e}"
+        start += n
+
+
+if __name__ == "__main__":  # interpreter worker: python this_file OUT_PATH CASE_ID...
+    worker_main(sys.argv[1], sys.argv[2:])
