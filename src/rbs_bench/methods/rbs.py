@@ -7,6 +7,11 @@
 
 Scores are query-block log-sum-exps of the scaled token logits; a branch keeps candidate b < i
 when L[i, b] >= log(alpha) + max_b' L[i, b']. Every variant shares this file's code path.
+
+Field `impl` picks the code: "torch" the PyTorch reference path; "triton" the fused kernels
+(`block_stats`, `rescue_beta`, `rbs_select`) on CUDA, or on CPU under TRITON_INTERPRET=1; "auto"
+(the default) means "triton" on CUDA when Triton is installed, else "torch". Both give the same
+selection up to blocks whose score sits within rounding error of a threshold.
 """
 
 from __future__ import annotations
@@ -19,7 +24,15 @@ import torch
 from torch import Tensor
 
 from rbs_bench.kernels.block_scores import block_scores_ref
-from rbs_bench.kernels.block_stats import block_stats_ref, rescue_beta_ref
+from rbs_bench.kernels.block_stats import (
+    INTERPRET,
+    block_stats,
+    block_stats_ref,
+    rescue_beta,
+    rescue_beta_ref,
+    triton_available,
+)
+from rbs_bench.kernels.rbs_select import rbs_select
 from rbs_bench.methods.selection import (
     BlockSelection,
     candidate_mask,
@@ -30,6 +43,7 @@ from rbs_bench.methods.selection import (
 
 ALPHA_BASE = 0.22
 ALPHA_RESCUE = 0.18
+IMPLS = ("auto", "torch", "triton")
 
 
 def _check_alpha(name: str, value: float) -> None:
@@ -83,12 +97,54 @@ class BlockSelector:
         return BlockSelection.from_mask(keep | forced, self.block_size, self.block_size, n)
 
 
+def _check_impl(impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+
+
+def _use_triton(impl: str, device: torch.device) -> bool:
+    """Resolve impl for tensors on `device`: True for the Triton kernels, False for torch."""
+    if impl == "torch":
+        return False
+    if impl == "auto":
+        return device.type == "cuda" and triton_available()
+    if device.type != "cuda" and not INTERPRET:
+        raise ValueError(
+            f"impl='triton' needs CUDA tensors (got {device.type}), or TRITON_INTERPRET=1 set "
+            "before Python starts for Triton's CPU interpreter; use impl='auto' or 'torch'"
+        )
+    return True
+
+
+def _select_triton(sel: BlockSelector, q, k, scale, alphas, branches: str, beta: bool):
+    """The fused path: key-block stats, then scoring, thresholds, forced blocks and compaction.
+
+    The rescue uplift is r * beta (rbs) or r (full_l2, beta = 1); the base branch needs none.
+    """
+    centroid, radius = block_stats(k, sel.block_size)
+    uplift = radius * rescue_beta(radius) if beta else radius
+    count, indices = rbs_select(
+        q,
+        centroid,
+        uplift,
+        sel.block_size,
+        *alphas,
+        sel.sink_blocks,
+        sel.window_blocks,
+        sel.last_q_blocks,
+        scale,
+        branches,
+    )
+    return BlockSelection(count, indices, sel.block_size, sel.block_size, q.shape[2])
+
+
 @dataclass(frozen=True)
 class RBS(BlockSelector):
     """Dual-branch radius-bounded selection. Knob: one scale s on the pair (0.22 s, 0.18 s)."""
 
     alpha_base: float = ALPHA_BASE
     alpha_rescue: float = ALPHA_RESCUE
+    impl: str = "auto"
 
     name = "rbs"
     knob = "alpha_scale"
@@ -98,6 +154,7 @@ class RBS(BlockSelector):
         super().__post_init__()
         _check_alpha("alpha_base", self.alpha_base)
         _check_alpha("alpha_rescue", self.alpha_rescue)
+        _check_impl(self.impl)
 
     def with_knob(self, value: float) -> RBS:
         _check_alpha(self.knob, value)
@@ -107,6 +164,9 @@ class RBS(BlockSelector):
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)
+        if _use_triton(self.impl, q.device):
+            alphas = (self.alpha_base, self.alpha_rescue)
+            return _select_triton(self, q, k, scale, alphas, "both", beta=True)
         centroid, radius = block_stats_ref(k, self.block_size)
         uplift = radius * rescue_beta_ref(radius)
         base, rescue = block_scores_ref(q, centroid, [None, uplift], self.block_size, scale)
@@ -119,6 +179,7 @@ class RBS(BlockSelector):
 @dataclass(frozen=True)
 class _SingleBranch(BlockSelector):
     alpha: float = ALPHA_BASE
+    impl: str = "auto"
 
     knob = "alpha"
     knob_direction = -1  # a larger alpha keeps fewer blocks
@@ -126,11 +187,16 @@ class _SingleBranch(BlockSelector):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_alpha("alpha", self.alpha)
+        _check_impl(self.impl)
 
     full_bound = False  # score with the full radius (beta = 1) instead of the centroid alone
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)
+        if _use_triton(self.impl, q.device):
+            branch = "rescue" if self.full_bound else "base"
+            alphas = (self.alpha, self.alpha)  # rbs_select reads the one of the branch it runs
+            return _select_triton(self, q, k, scale, alphas, branch, beta=False)
         centroid, radius = block_stats_ref(k, self.block_size)
         uplift = radius if self.full_bound else None
         (scores,) = block_scores_ref(q, centroid, [uplift], self.block_size, scale)

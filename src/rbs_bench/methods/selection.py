@@ -20,6 +20,19 @@ from rbs_bench.kernels.block_sparse_attn import (
     block_mask_from_lists,
 )
 
+# The block-level mask rule lives beside the fused kernel that implements it, and is shared here.
+from rbs_bench.kernels.rbs_select import candidate_mask, forced_mask, relative_threshold
+
+__all__ = [
+    "BlockSelection",
+    "Selector",
+    "candidate_mask",
+    "causal_block_mask",
+    "forced_mask",
+    "num_blocks",
+    "relative_threshold",
+]
+
 
 def num_blocks(n: int, block: int) -> int:
     return math.ceil(n / block)
@@ -95,34 +108,3 @@ class Selector(Protocol):
     is_dense: bool
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection: ...
-
-
-def candidate_mask(m: int, device=None) -> Tensor:
-    """bool [M, M]: the scored candidates of query block i are the key blocks strictly before it."""
-    idx = torch.arange(m, device=device)
-    return idx[None, :] < idx[:, None]
-
-
-def forced_mask(
-    m: int, sink_blocks: int, window_blocks: int, last_q_blocks: int, device=None
-) -> Tensor:
-    """bool [M, M]: sink blocks, the local window ending at the diagonal, and the last query rows.
-
-    Restricted to the causal triangle b <= i (query and key blocks of the same size).
-    """
-    i = torch.arange(m, device=device)[:, None]
-    b = torch.arange(m, device=device)[None, :]
-    forced = (b < sink_blocks) | (b > i - window_blocks) | (i >= m - last_q_blocks)
-    return forced & (b <= i)
-
-
-def relative_threshold(scores: Tensor, candidates: Tensor, alpha: float) -> Tensor:
-    """Keep b iff L[i, b] >= log(alpha) + max over candidates of L[i, b'] (scores in log space).
-
-    scores fp32 [..., Mq, Mk]; candidates bool broadcastable to it. Rows without candidates keep
-    nothing.
-    """
-    masked = scores.masked_fill(~candidates, -math.inf)
-    row_max = masked.amax(-1, keepdim=True)
-    log_alpha = math.log(alpha) if alpha > 0 else -math.inf
-    return (masked >= row_max + log_alpha) & candidates

@@ -1,0 +1,338 @@
+"""The fused selection kernels against their PyTorch references, and the methods' two impls.
+
+Selections are compared as sets per (b, h, query block); a block whose reference score sits within
+EPS of its branch threshold (log space) is excluded and counted. EPS is 1e-3, or twice the score
+error that rounding the centred centroids to fp16 (what the kernel's dot product reads) causes in
+the PyTorch reference, if larger.
+
+Triton's CPU interpreter is chosen when triton decorates functions, its own library included, so
+TRITON_INTERPRET=1 must be set before triton is imported, and other test modules import it first.
+On a machine without CUDA, `test_interpreter_suite` therefore runs this file again in a fresh
+Python with TRITON_INTERPRET=1; there the kernel tests run on CPU tensors. With CUDA they run on
+the GPU directly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rbs_bench.kernels.block_scores import block_scores_ref
+from rbs_bench.kernels.block_stats import (
+    INTERPRET,
+    block_stats,
+    block_stats_ref,
+    rescue_beta,
+    rescue_beta_ref,
+    triton_available,
+)
+from rbs_bench.kernels.rbs_select import (
+    _launch,
+    candidate_mask,
+    centred_centroids,
+    forced_mask,
+    rbs_select,
+    rbs_select_ref,
+)
+
+from rbs_bench import methods
+
+EPS = 1e-3
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA and not INTERPRET else ("cpu" if INTERPRET else None)
+kernel_test = pytest.mark.skipif(
+    DEVICE is None or not triton_available(),
+    reason="needs CUDA, or TRITON_INTERPRET=1 before import (test_interpreter_suite runs these)",
+)
+FLOATS = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+def structured_qk(b, hq, hkv, n, d, seed, dtype=torch.float32, device=DEVICE):
+    """Random q/k with a shared key direction and dispersed blocks holding one strong key."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n, d, generator=g)
+    k = torch.randn(b, hkv, n, d, generator=g) * 0.3
+    k += torch.randn(b, hkv, 1, d, generator=g)
+    for j in range(0, n, 97):
+        k[:, :, j] += 4 * q[:, :: hq // hkv, min(n - 1, j + 5)]
+        k[:, :, j + 1 : j + 30] *= 2.5
+    return (q * 1.5).to(device, dtype), k.to(device, dtype)
+
+
+def boundary(q, centroid, uplift, bs, alphas, branches, forced, scale=None):
+    """bool [B, H, M, M]: candidates within eps of a branch threshold (not forced); and eps."""
+    use = {"both": (True, True), "base": (True, False), "rescue": (False, True)}[branches]
+    uplifts = [u for u, on in zip((None, uplift), use) if on]
+    alphas = [a for a, on in zip(alphas, use) if on]
+    scores = block_scores_ref(q, centroid, uplifts, bs, scale)
+    m = centroid.shape[2]
+    cand = candidate_mask(m, q.device)
+    eps = EPS
+    if q.dtype != torch.float32:  # the kernel's dot product reads fp16 centred centroids
+        mean, res = centred_centroids(centroid, torch.float16)
+        rounded = block_scores_ref(q, mean[:, :, None] + res.float(), uplifts, bs, scale)
+        for s, r in zip(scores, rounded):
+            err = (s - r).abs().masked_fill(~cand, 0).max().item()
+            eps = max(eps, 2 * err)
+    near = torch.zeros(*scores[0].shape, dtype=torch.bool, device=q.device)
+    for s, alpha in zip(scores, alphas):
+        row_max = s.masked_fill(~cand, -math.inf).amax(-1, keepdim=True)
+        thr = row_max + (math.log(alpha) if alpha > 0 else -math.inf)
+        near |= cand & ((s - thr).abs() < eps)
+    return near & ~forced, eps
+
+
+def lists_to_mask(count, idx):
+    m = idx.shape[-1]
+    live = torch.arange(m, device=idx.device) < count[..., None].long()
+    out = torch.zeros(*idx.shape[:-1], m + 1, dtype=torch.bool, device=idx.device)
+    return out.scatter_(-1, torch.where(live, idx.long(), m), True)[..., :m]
+
+
+def check_layout(count, idx):
+    """int32 lists; ids ascending and causal (<= i) up to the count, zeros past it."""
+    assert count.dtype == idx.dtype == torch.int32
+    m = idx.shape[-1]
+    slots = torch.arange(m, device=idx.device)
+    live = slots < count[..., None]
+    assert bool((idx[~live] == 0).all()), "padding past the count must be 0"
+    assert bool(((idx[..., 1:] > idx[..., :-1]) | ~live[..., 1:]).all()), "ids not ascending"
+    assert bool(((idx <= slots[:, None]) | ~live).all()), "a kept block lies above the diagonal"
+
+
+def assert_same_sets(got, want, near, what=""):
+    b, h, m, _ = got.shape
+    cand_pairs = max(1, b * h * m * (m - 1) // 2)
+    assert int(near.sum()) <= max(3, 0.02 * cand_pairs), f"{int(near.sum())} boundary blocks {what}"
+    differ = (got != want) & ~near
+    assert not differ.any(), f"{int(differ.sum())} blocks differ {what}"
+
+
+# --------------------------------------------------------------------------------- block_stats
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize(
+    "n,bs,d", [(1, 32, 64), (127, 64, 64), (128, 64, 128), (129, 64, 64), (1000, 128, 128)]
+)
+def test_block_stats_matches_ref(n, bs, d, dtype):
+    k = structured_qk(2, 2, 2, n, d, seed=n, dtype=dtype)[1]
+    c, r = block_stats(k, bs)
+    c0, r0 = block_stats_ref(k, bs)
+    assert c.dtype == r.dtype == torch.float32
+    assert c.shape == c0.shape and r.shape == r0.shape
+    torch.testing.assert_close(c, c0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(r, r0, atol=1e-4, rtol=1e-5)
+
+
+@kernel_test
+@pytest.mark.parametrize("m", [1, 2, 7, 11, 100] + ([1000] if DEVICE == "cuda" else []))
+def test_rescue_beta_matches_ref(m):
+    g = torch.Generator().manual_seed(m)
+    r = (torch.rand(2, 3, m, generator=g) * 3).to(DEVICE)
+    r[1, 2] = 2.0  # a degenerate head: q90 == q50, beta = 0
+    beta = rescue_beta(r)
+    torch.testing.assert_close(beta, rescue_beta_ref(r), atol=1e-6, rtol=0)
+    assert not beta[1, 2].any()
+    ramp = torch.arange(11.0, device=DEVICE).view(1, 1, 11)  # q50 = 5, q90 = 9
+    torch.testing.assert_close(rescue_beta(ramp)[0, 0], ((ramp[0, 0] - 5) / 4).clamp(0, 1))
+
+
+# ---------------------------------------------------------------------------------- rbs_select
+
+# (B, Hq, Hkv, N, D, block, dtype, branches, alpha_base, alpha_rescue, sink, window, last_q)
+CASES = [
+    (1, 2, 2, 1, 64, 32, torch.float32, "both", 0.22, 0.18, 2, 4, 2),
+    (1, 4, 1, 127, 128, 32, torch.float16, "both", 0.22, 0.18, 1, 1, 0),
+    (1, 8, 1, 128, 64, 64, torch.float32, "base", 0.22, 0.18, 2, 4, 2),
+    (1, 8, 2, 129, 128, 32, torch.float32, "rescue", 0.22, 0.18, 0, 1, 0),
+    (1, 4, 1, 1000, 64, 64, torch.float32, "both", 0.22, 0.18, 2, 4, 2),
+    (1, 8, 1, 640, 128, 64, torch.float16, "both", 0.5, 0.05, 1, 2, 1),
+    (1, 2, 2, 1000, 64, 32, torch.float16, "both", 0.6, 0.3, 1, 1, 0),
+    (1, 1, 1, 1000, 64, 32, torch.float32, "rescue", 0.9, 0.9, 0, 0, 0),
+    (2, 2, 1, 300, 64, 32, torch.float32, "both", 0.0, 5.0, 0, 1, 0),
+    (1, 2, 1, 500, 64, 48, torch.float32, "base", 0.3, 0.18, 1, 2, 1),
+]
+
+
+def _case_id(c):
+    b, hq, hkv, n, d, bs, dt, br, *_ = c
+    return f"B{b}-H{hq}/{hkv}-N{n}-D{d}-bs{bs}-{str(dt)[6:]}-{br}"
+
+
+def _inputs(case, seed):
+    b, hq, hkv, n, d, bs, dtype, branches, ab, ar, sink, win, last = case
+    q, k = structured_qk(b, hq, hkv, n, d, seed, dtype)
+    c, r = block_stats_ref(k, bs)
+    uplift = r * rescue_beta_ref(r)
+    args = (q, c, uplift, bs, ab, ar, sink, win, last)
+    forced = forced_mask(c.shape[2], sink, win, last, q.device)
+    near, _ = boundary(q, c, uplift, bs, (ab, ar), branches, forced)
+    return args, branches, near
+
+
+@kernel_test
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_rbs_select_matches_ref(case):
+    args, branches, near = _inputs(case, seed=case[3] + case[1])
+    count, idx = rbs_select(*args, branches=branches)
+    check_layout(count, idx)
+    count0, idx0 = rbs_select_ref(*args, branches=branches)
+    check_layout(count0, idx0)
+    assert_same_sets(lists_to_mask(count, idx), lists_to_mask(count0, idx0), near)
+    if not near.any():
+        assert torch.equal(count, count0) and torch.equal(idx, idx0)
+
+
+@kernel_test
+def test_rbs_select_multi_tile_rows():
+    """Rows longer than one key tile: per-tile maxima, the row buffer and the cross-tile offsets."""
+    case = (1, 1, 1, 600, 64, 16, torch.float32, "both", 0.22, 0.18, 2, 4, 2)  # M = 38, 3 tiles
+    args, branches, near = _inputs(case, seed=7)
+    count, idx = _launch(*args, None, branches, block_k=16)
+    check_layout(count, idx)
+    count0, idx0 = rbs_select_ref(*args, branches=branches)
+    assert_same_sets(lists_to_mask(count, idx), lists_to_mask(count0, idx0), near)
+
+
+@kernel_test
+def test_rbs_select_scale_and_bad_input():
+    case = (1, 2, 1, 640, 64, 64, torch.float32, "both", 0.22, 0.18, 2, 4, 2)
+    args, _, _ = _inputs(case, seed=3)
+    q, c, u, bs, *rest = args
+    count, idx = rbs_select(*args, scale=0.05)
+    count0, idx0 = rbs_select_ref(*args, scale=0.05)
+    forced = forced_mask(c.shape[2], 2, 4, 2, q.device)
+    near, _ = boundary(q, c, u, bs, (0.22, 0.18), "both", forced, scale=0.05)
+    assert_same_sets(lists_to_mask(count, idx), lists_to_mask(count0, idx0), near)
+    with pytest.raises(ValueError, match="branches must be one of"):
+        rbs_select(*args, branches="neither")
+    with pytest.raises(ValueError, match="needs uplift_rescue"):
+        rbs_select(q, c, None, bs, *rest)
+    with pytest.raises(ValueError, match="centroid must be"):
+        rbs_select(q, c[:, :, :-1], u, bs, *rest)
+    count, _ = rbs_select(q, c, None, bs, *rest, branches="base")  # base needs no uplift
+    assert count.shape == q.shape[:2] + (c.shape[2],)
+
+
+# --------------------------------------------------------------- the methods' impl="triton" path
+
+
+@kernel_test
+@pytest.mark.parametrize("name", ["rbs", "centroid", "full_l2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_methods_triton_matches_torch(name, dtype):
+    q, k = structured_qk(1, 4, 2, 777, 64, seed=11, dtype=dtype)
+    fields = {"block_size": 64}
+    got = methods.build(name, impl="triton", **fields).select(q, k)
+    want = methods.build(name, impl="torch", **fields).select(q, k)
+    assert got.kv_indices.shape == want.kv_indices.shape
+    check_layout(got.kv_count, got.kv_indices)
+    sel = methods.build(name, **fields)
+    c, r = block_stats_ref(k, 64)
+    uplift = r * rescue_beta_ref(r) if name == "rbs" else r
+    alphas = (sel.alpha_base, sel.alpha_rescue) if name == "rbs" else (sel.alpha, sel.alpha)
+    branches = {"rbs": "both", "centroid": "base", "full_l2": "rescue"}[name]
+    forced = forced_mask(c.shape[2], sel.sink_blocks, sel.window_blocks, sel.last_q_blocks)
+    near, _ = boundary(q, c, uplift, 64, alphas, branches, forced.to(q.device))
+    assert_same_sets(got.mask(), want.mask(), near, name)
+    assert 0 < got.density() < 1
+
+
+# ---------------------------------------------------------------------- without the interpreter
+
+
+@pytest.mark.skipif(INTERPRET or CUDA, reason="checks the CPU error without the interpreter")
+def test_triton_impl_on_cpu_needs_interpreter():
+    q, k = torch.randn(1, 2, 256, 16), torch.randn(1, 1, 256, 16)
+    with pytest.raises(ValueError, match="impl='triton' needs CUDA tensors.*TRITON_INTERPRET=1"):
+        methods.build("rbs", impl="triton").select(q, k)
+    if triton_available():
+        with pytest.raises(ValueError, match="block_stats needs CUDA tensors"):
+            block_stats(k, 64)
+    # auto falls back to the PyTorch path on CPU
+    assert methods.build("rbs").select(q, k).density() == 1.0
+
+
+def test_impl_is_validated():
+    with pytest.raises(ValueError, match="impl must be one of auto, torch, triton; got 'cuda'"):
+        methods.build("centroid", impl="cuda")
+    assert methods.build("rbs").impl == "auto"
+
+
+def test_kernels_import_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch\n"
+        "from rbs_bench.kernels.rbs_select import rbs_select\n"
+        "from rbs_bench import methods\n"
+        "q, k = torch.randn(1, 2, 300, 16), torch.randn(1, 1, 300, 16)\n"
+        "print(methods.build('rbs', block_size=64).select(q, k).density())\n"
+        "try:\n"
+        "    rbs_select(q, torch.zeros(1, 1, 5, 16), None, 64, 0.2, 0.2, 2, 4, 2)\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert float(lines[0]) == 1.0
+    assert lines[1] == "rbs_select needs Triton, which is not installed; use rbs_select_ref"
+
+
+@pytest.mark.skipif(
+    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
+)
+def test_interpreter_suite():
+    """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu"]
+    res = subprocess.run(
+        [*cmd, str(Path(__file__).resolve())],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    tail = "\n".join(res.stdout.strip().splitlines()[-30:])
+    assert res.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", tail)
+    assert passed and int(passed.group(1)) >= 20, tail
+
+
+# ------------------------------------------------------------------------------- GPU, bf16, large
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [16384, 65536])
+def test_gpu_triton_matches_torch_bf16(n):
+    from rbs_bench import synthetic
+
+    data = synthetic.generate(1, 8, 2, n, 128, seed=1, device="cuda", dtype=torch.bfloat16)
+    q, k = data.q, data.k
+    c, r = block_stats(k, 128)
+    c0, r0 = block_stats_ref(k, 128)
+    torch.testing.assert_close(c, c0, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(r, r0, atol=1e-3, rtol=1e-5)
+    for name in ("rbs", "centroid", "full_l2"):
+        sel = methods.build(name)
+        got = methods.build(name, impl="triton").select(q, k)
+        want = methods.build(name, impl="torch").select(q, k)
+        check_layout(got.kv_count, got.kv_indices)
+        uplift = r0 * rescue_beta_ref(r0) if name == "rbs" else r0
+        alphas = (sel.alpha_base, sel.alpha_rescue) if name == "rbs" else (sel.alpha, sel.alpha)
+        branches = {"rbs": "both", "centroid": "base", "full_l2": "rescue"}[name]
+        forced = forced_mask(c0.shape[2], 2, 4, 2, q.device)
+        near, eps = boundary(q, c0, uplift, 128, alphas, branches, forced)
+        assert_same_sets(got.mask(), want.mask(), near, f"{name} (eps {eps:.1e})")
+        assert abs(got.density() - want.density()) < 1e-3
