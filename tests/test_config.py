@@ -49,7 +49,7 @@ def _cli(*args):
 @pytest.mark.parametrize(
     "args,expect",
     [
-        (["method=nosuch"], "unknown method 'nosuch'; valid: centroid, dense, full_l2, rbs"),
+        (["method=nosuch"], f"unknown method 'nosuch'; valid: {', '.join(methods.available())}"),
         (
             ["method=rbs", "method.alpah=0.3"],
             "'method.alpah' is not a field of method; valid fields:",
@@ -82,3 +82,7 @@ def test_run_time_errors_are_one_line(tmp_path):
         .splitlines()[-1]
         .endswith("alpha_base must be a finite number >= 0, got -1.0")
     )
+
+
+def test_every_registered_method_has_a_config():
+    assert config.group_options("method") == methods.available()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rbs_bench import methods
+
 SMALL = [
     "benchmark.context_lengths=[1024]",
     "benchmark.num_samples=2",
@@ -44,8 +46,9 @@ def test_grid_writes_records_and_summary(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     exp = tmp_path / "runs" / "ruler_budget" / "tiny"
     summary = (exp / "summary.csv").read_text().splitlines()
-    assert [row.split(",")[0] for row in summary[1:]] == ["dense", "centroid", "full_l2", "rbs"]
-    for method in ("dense", "rbs", "centroid", "full_l2"):
+    names = [row.split(",")[0] for row in summary[1:]]
+    assert names == ["dense"] + sorted(m for m in methods.available() if m != "dense")
+    for method in methods.available():
         recs = _records(exp / method / "default" / "records.jsonl")
         assert [r["index"] for r in recs] == [0, 1]
         for r in recs:
@@ -53,15 +56,15 @@ def test_grid_writes_records_and_summary(tmp_path):
             assert r["input_tokens"] <= 1024 - 4 and r["new_tokens"] <= 4
             assert 0 < r["density"] <= 1 and 0 <= r["score"] <= 100
             assert len(r["density_layers_heads"]) >= 2  # one row per layer
-        if method == "dense":
-            assert all(r["density"] == 1.0 for r in recs)
-        else:  # 1024 tokens at block 128: 8 blocks, all forced by sinks, window and last rows
+        if method in ("dense", "rbs", "centroid", "full_l2", "flashprefill", "flexprefill"):
+            # 1024 tokens at block 128: 8 blocks, all forced by sinks, window and last rows
+            # (FlexPrefill runs prompts up to its 1024-token min budget dense)
             assert all(r["density"] == 1.0 for r in recs)
     assert (exp / "score_vs_density.png").exists()
     # rerunning finds everything recorded and recomputes nothing
     res = _run(tmp_path)
     assert res.returncode == 0
-    assert res.stdout.count("already recorded") == 4
+    assert res.stdout.count("already recorded") == len(methods.available())
 
 
 @pytest.mark.slow

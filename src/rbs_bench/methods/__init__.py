@@ -12,27 +12,33 @@ from rbs_bench.methods.dense import Dense
 from rbs_bench.methods.rbs import RBS, Centroid, FullL2
 from rbs_bench.methods.selection import BlockSelection, Selector
 
-REGISTRY: dict[str, type] = {cls.name: cls for cls in (Dense, RBS, Centroid, FullL2)}
+_CORE = (Dense, RBS, Centroid, FullL2)
 
-# Baselines import the selection API from this package's submodules; register them after it.
-from rbs_bench.baselines import SELECTORS as _BASELINES  # noqa: E402
-
-REGISTRY.update({cls.name: cls for cls in _BASELINES})
-
-__all__ = ["REGISTRY", "BlockSelection", "Selector", "UnknownMethodError", "available", "build"]
+__all__ = ["BlockSelection", "Selector", "UnknownMethodError", "available", "build", "registry"]
 
 
 class UnknownMethodError(ValueError):
     pass
 
 
+def registry() -> dict[str, type]:
+    """Every registered selector class by name: the RBS family, dense, and rbs_bench.baselines.
+
+    Built on call: baselines import this package's submodules, so whichever side is imported
+    first, the registry is complete by the time anything asks.
+    """
+    from rbs_bench.baselines import SELECTORS
+
+    return {cls.name: cls for cls in (*_CORE, *SELECTORS)}
+
+
 def available() -> list[str]:
-    return sorted(REGISTRY)
+    return sorted(registry())
 
 
 def method_class(name: str) -> type:
     try:
-        return REGISTRY[name]
+        return registry()[name]
     except KeyError:
         raise UnknownMethodError(
             f"unknown method {name!r}; valid methods: {', '.join(available())}"

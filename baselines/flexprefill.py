@@ -1,0 +1,283 @@
+"""FlexPrefill (Lai et al., ICLR'25), from research/baselines.md §4.
+
+Rule, per (batch, query head), block size B, M = ceil(N / B) blocks; budgets are given in tokens
+and become ceil(budget / B) blocks. Prompts with N <= max(2B, ceil(min_budget / B) * B) run dense.
+  1. Estimate from the last B queries (causal softmax, fp32): vertical[t] = mean over the rows of
+     column t, slash[o] = mean over the rows of the entries at offset o = query - key. Each sums
+     to 1.
+  2. Budgets: n = the fewest tokens whose largest values sum to >= gamma; n // B + 1 blocks, for
+     vertical and slash separately, clamped to [min_budget, max_budget] blocks.
+  3. Pool both into blocks (sums over B tokens; slash offsets o into offset blocks o // B).
+  4. Query-aware test: est = softmax over key blocks of mean(last queries) . mean-pooled keys;
+     d = sqrt(JSD(est, pooled vertical)) (natural log). d < tau makes the head query-aware: its
+     vertical and slash budgets drop to min_budget.
+  5. Force vertical block 0 and slash block 0 (the diagonal); keep the top n_v vertical blocks
+     (every (i, j) with j a kept block) and top n_s slash blocks (every (i, i - s)).
+  6. Query-aware heads add the fewest block pairs (i, j <= i) of P = row-softmax(mean-pooled q .
+     mean-pooled k) whose sum reaches gamma * M (one coverage over the whole matrix, whose rows
+     each sum to 1).
+Returns a `BlockSelection` (B x B blocks, nothing above the diagonal). Knob: gamma (larger keeps
+more: direction +1); tau only decides which heads are query-aware.
+
+Where we deliberately differ from the public code (ByteDance-Seed/FlexPrefill,
+flex_prefill_attention.py::get_active_blocks):
+- Block size is used consistently: the token budget becomes n // B + 1 blocks; upstream divides
+  by a hard-coded 128, which mis-scales the budget for other block sizes.
+- The query-aware coverage keeps the fewest pairs whose sum reaches gamma * M, the same "fewest
+  reaching gamma" rule as the budgets; upstream keeps the pairs whose running sum stays <= gamma
+  * M, i.e. one pair fewer. (Its token budgets count the prefix with running sum <= gamma, plus
+  one; that equals "fewest reaching" except when a running sum hits gamma exactly.)
+- The estimate uses the attention's own scale (`scale`, the model's scaling; default
+  1/sqrt(d)); upstream's selection always divides by sqrt(head_dim).
+- Defaults follow the paper's experiments (gamma 0.9, tau 0.1, min_budget 1024 tokens) with no
+  max budget (upstream API default); upstream's API defaults are tau 0 and min_budget one block.
+- The first key block and the diagonal are always kept, also for a zero budget (upstream gets the
+  same through the zero padding of its index lists).
+- Slash offsets are pooled from offset 0 (offset block s = o // B maps to block pairs (i, i - s));
+  upstream pools its diagonal sums aligned at the last key, which differs only when B does not
+  divide N.
+- Mean-pooled queries and keys average the real tokens of a partial last block (upstream rescales
+  the queries' last block the same way).
+- The JSD treats 0 * log 0 as 0 (upstream would return NaN for an all-zero pooled block).
+- GQA without repeating K/V (query head h reads KV head h // group) and batch > 1 are supported;
+  upstream asserts batch 1 and loops over query-aware heads in Python.
+- Ties are broken by position (stable sorts), so a larger gamma keeps a superset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from rbs_bench.kernels.vertical_slash_attn import vertical_slash_estimate
+from torch import Tensor
+
+from rbs_bench.methods.selection import BlockSelection, num_blocks
+
+
+def coverage_count(p: Tensor, target) -> Tensor:
+    """int64 [...]: size of the smallest set of entries of p (last dim, largest first) whose sum
+    reaches `target` (float or tensor broadcastable to [...]); every entry when none does."""
+    cum = torch.sort(p, dim=-1, descending=True).values.double().cumsum(-1)
+    if isinstance(target, Tensor):
+        target = target[..., None]
+    return ((cum < target).sum(-1) + 1).clamp(max=p.shape[-1])
+
+
+def top_mask(scores: Tensor, count: Tensor) -> Tensor:
+    """bool like scores: the `count[...]` largest entries of the last dim (ties: lower index)."""
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    rank_ok = torch.arange(scores.shape[-1], device=scores.device) < count[..., None]
+    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank_ok)
+
+
+def block_means(x: Tensor, block: int) -> Tensor:
+    """fp32 [B, H, M, D]: mean of each block of tokens (a partial last block over its real tokens).
+
+    Sums accumulate in fp32 without an fp32 copy of x.
+    """
+    n = x.shape[2]
+    full, tail = divmod(n, block)
+    parts = []
+    if full:
+        body = x[:, :, : full * block].unflatten(2, (full, block))
+        parts.append(body.sum(3, dtype=torch.float32) / block)
+    if tail:
+        parts.append(x[:, :, full * block :].sum(2, keepdim=True, dtype=torch.float32) / tail)
+    return torch.cat(parts, 2)
+
+
+def block_sums(x: Tensor, block: int) -> Tensor:
+    """[..., M]: sums over consecutive blocks of the last dim (the last block may be partial)."""
+    n = x.shape[-1]
+    return F.pad(x, (0, num_blocks(n, block) * block - n)).unflatten(-1, (-1, block)).sum(-1)
+
+
+def sqrt_jsd(p: Tensor, q: Tensor) -> Tensor:
+    """sqrt of the Jensen-Shannon divergence (natural log) over the last dim; 0 log 0 = 0."""
+    m = (p + q) / 2
+    kl_p = (torch.xlogy(p, p) - torch.xlogy(p, m)).sum(-1)
+    kl_q = (torch.xlogy(q, q) - torch.xlogy(q, m)).sum(-1)
+    return (0.5 * (kl_p + kl_q)).clamp(min=0).sqrt()
+
+
+@dataclass(frozen=True)
+class FlexPrefillEstimate:
+    """What FlexPrefill decides per (batch, query head) before building the block mask."""
+
+    vertical: Tensor  # fp32 [B, H, M]  pooled column mass of the last B queries (sums to 1)
+    slash: Tensor  # fp32 [B, H, M]  pooled diagonal mass, offset block o // B (sums to 1)
+    n_vertical: Tensor  # int64 [B, H]  vertical blocks to keep
+    n_slash: Tensor  # int64 [B, H]  slash blocks to keep
+    distance: Tensor  # fp32 [B, H]  sqrt(JSD(pooled estimate, vertical))
+    query_aware: Tensor  # bool [B, H]  distance < tau
+
+
+@dataclass(frozen=True)
+class FlexPrefill:
+    """Per-head vertical-slash or query-aware blocks covering gamma of the estimated attention."""
+
+    gamma: float = 0.9
+    tau: float = 0.1
+    min_budget: int = 1024
+    max_budget: int | None = None
+    block_size: int = 128
+
+    name = "flexprefill"
+    knob = "gamma"
+    knob_direction = 1  # a larger coverage keeps more blocks
+    knob_range = (0.0, 1.0)  # a fraction: calibration searches it linearly
+    is_dense = False
+
+    def __post_init__(self) -> None:
+        _check_gamma(self.gamma)
+        if (
+            isinstance(self.tau, bool)
+            or not isinstance(self.tau, (int, float))
+            or not (0 <= self.tau < math.inf)
+        ):
+            raise ValueError(f"tau must be a finite number >= 0, got {self.tau!r}")
+        if not _is_int(self.block_size) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if not _is_int(self.min_budget) or self.min_budget < 0:
+            raise ValueError(
+                f"min_budget must be an integer >= 0 (tokens), got {self.min_budget!r}"
+            )
+        if self.max_budget is not None and (
+            not _is_int(self.max_budget) or self.max_budget < max(self.min_budget, 1)
+        ):
+            raise ValueError(
+                f"max_budget must be null or an integer >= min_budget ({self.min_budget}) and "
+                f">= 1 (tokens), got {self.max_budget!r}"
+            )
+
+    def fields(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def with_knob(self, value: float) -> FlexPrefill:
+        _check_gamma(value)
+        return dataclasses.replace(self, gamma=value)
+
+    def runs_dense(self, n: int) -> bool:
+        """Prompts this short are attended densely (upstream's threshold)."""
+        bs = self.block_size
+        return n <= max(2 * bs, math.ceil(self.min_budget / bs) * bs)
+
+    def estimate(self, q: Tensor, k: Tensor, scale: float | None = None) -> FlexPrefillEstimate:
+        """Steps 1-4 of the rule; needs N > 2 * block_size (see `runs_dense`)."""
+        _check_qk(q, k)
+        b, hq, n, d = q.shape
+        bs, m = self.block_size, num_blocks(n, self.block_size)
+        if n <= bs:
+            raise ValueError(f"the estimate needs N > block_size ({bs}), got N={n}")
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        vertical, slash = vertical_slash_estimate(q, k, bs, scale)  # fp32 [B, Hq, N], sums to B
+        vertical, slash = vertical / bs, slash / bs
+
+        lo = math.ceil(self.min_budget / bs)
+        hi = m if self.max_budget is None else min(m, math.ceil(self.max_budget / bs))
+        n_v = (coverage_count(vertical, self.gamma) // bs + 1).clamp(lo, hi)
+        n_s = (coverage_count(slash, self.gamma) // bs + 1).clamp(lo, hi)
+        vertical, slash = block_sums(vertical, bs), block_sums(slash, bs)  # [B, Hq, M]
+
+        hkv = k.shape[1]
+        k_bar = block_means(k, bs)  # [B, Hkv, M, D]
+        q_last = q[:, :, n - bs :].mean(2, dtype=torch.float32).view(b, hkv, hq // hkv, d)
+        logits = torch.einsum("bkgd,bkmd->bkgm", q_last, k_bar).reshape(b, hq, m) * scale
+        est = torch.softmax(logits, dim=-1)
+        dist = sqrt_jsd(est, vertical)
+        query_aware = dist < self.tau
+        floor = torch.full_like(n_v, min(lo, hi))
+        n_v, n_s = torch.where(query_aware, floor, n_v), torch.where(query_aware, floor, n_s)
+        return FlexPrefillEstimate(vertical, slash, n_v, n_s, dist, query_aware)
+
+    def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
+        """q [B, Hq, N, D], k [B, Hkv, N, D] -> kept key blocks per query head."""
+        _check_qk(q, k)
+        b, hq, n, d = q.shape
+        bs = self.block_size
+        if self.runs_dense(n):
+            return BlockSelection.full(b, hq, n, bs, q.device)
+        m = num_blocks(n, bs)
+        est = self.estimate(q, k, scale)
+
+        # the first key block and the diagonal are forced; at least one of each is kept
+        vertical, slash = est.vertical.clone(), est.slash.clone()
+        vertical[..., 0] = slash[..., 0] = float("inf")
+        keep_v = top_mask(vertical, est.n_vertical.clamp(min=1))  # [B, Hq, M] key blocks j
+        keep_s = top_mask(slash, est.n_slash.clamp(min=1))  # [B, Hq, M] offset blocks s
+        i = torch.arange(m, device=q.device)
+        diff = i[:, None] - i[None, :]  # [M, M] = i - j
+        keep = keep_v[:, :, None, :] | (keep_s[..., diff.clamp(min=0)] & (diff >= 0))
+
+        qa = est.query_aware.nonzero(as_tuple=True)  # (batch ids, head ids)
+        if qa[0].numel():
+            keep[qa] |= self._query_aware_blocks(q, k, qa, scale)
+        return BlockSelection.from_mask(keep, bs, bs, n)
+
+    def _query_aware_blocks(self, q: Tensor, k: Tensor, heads, scale: float | None) -> Tensor:
+        """bool [R, M, M] for the R query-aware (batch, head) pairs `heads`: the fewest causal
+        block pairs of the pooled row-softmax whose sum reaches gamma * M."""
+        bi, hi = heads
+        d = q.shape[-1]
+        bs, m = self.block_size, num_blocks(q.shape[2], self.block_size)
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
+        group = q.shape[1] // k.shape[1]
+        q_bar = block_means(q, bs)[bi, hi]  # [R, M, D]
+        k_bar = block_means(k, bs)[bi, hi // group]
+        logits = torch.einsum("rid,rjd->rij", q_bar, k_bar) * scale
+        causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
+        p = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1).flatten(1)
+        count = coverage_count(p, self.gamma * m)
+        return top_mask(p, count).view(-1, m, m) & causal
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_gamma(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"gamma must be a number in [0, 1], got {value!r}")
+
+
+def _check_qk(q: Tensor, k: Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
+        )
+
+
+def main() -> None:
+    """Print each head's decision and density on a prompt with a recency bias, sinks and one
+    strong column (heads 0-1), and keys constant over blocks (heads 2-3)."""
+    n, d, bs = 16384, 64, 128
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, n, d, generator=gen), torch.randn(1, 2, n, d, generator=gen)
+    pos = torch.arange(n, dtype=torch.float32) * (math.pi / n)
+    rot = torch.stack([pos.cos(), pos.sin()], -1) * 6.0  # q_p . k_t = 36 cos(pi (p - t) / n)
+    q[..., :2], k[:, 0, :, :2] = rot, rot
+    q[..., 2:4], k[:, 0, :, 2:4] = 3.0, 0.0
+    k[0, 0, :4, 2], k[0, 0, n // 3, 3] = 6.0, 30.0  # sinks, one strong column
+    k[0, 1] = torch.randn(n // bs, d, generator=gen).repeat_interleave(bs, 0)
+    sel = FlexPrefill()
+    est, s = sel.estimate(q, k), sel.select(q, k)
+    print(f"N={n} block {bs} gamma {sel.gamma} tau {sel.tau}: density {s.density():.3f}")
+    for h in range(q.shape[1]):
+        kind = "query-aware" if est.query_aware[0, h] else "vertical-slash"
+        print(
+            f"  head {h}: sqrt-JSD {est.distance[0, h]:.3f} -> {kind}, budgets v/s "
+            f"{int(est.n_vertical[0, h])}/{int(est.n_slash[0, h])} blocks, "
+            f"density {float(s.head_density()[0, h]):.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Quest-style prefill selection: per-block min/max key box bound, top fraction of the candidates.
+
+Quest (Tang et al., ICML'24) is decode-only; this is the prefill adaptation of
+research/baselines.md §6.2 (our construction, not public code). Per KV head and key block j keep
+the elementwise extremes of the block's real keys, `kmin_j` and `kmax_j` (D floats each). Then:
+
+    bound(t, j) = q_t+ . kmax_j + q_t- . kmin_j     (q+ = max(q, 0), q- = min(q, 0))
+                = max of q_t . k over the box [kmin_j, kmax_j], so >= q_t . k for every key of j
+    score[i, j] = max over the real tokens t of query block i of bound(t, j)
+    keep the ceil(ratio * |C_i|) highest-scoring candidates (at least 1) of C_i = {j < i},
+    ties broken toward the lower block id, plus RBS's forced blocks (2 sinks, a window of 4
+    blocks ending at the diagonal, the last 2 query blocks dense)
+
+Selection is per query head, each with its KV head's boxes (Quest's own evaluation repeats K/V, so
+it is per query head too). Knob: ratio, the fraction of candidates kept; a larger ratio keeps more
+blocks. The default 0.1 is our choice (the paper calibrates it, e.g. 0.0405 for 5.34% density at
+128K); calibration moves it to the target density anyway.
+
+Where we deliberately differ from Quest:
+- Harness blocks (128 tokens by default, a field) instead of 16-token pages, and one bound per
+  (query block, key block) pair: the max of the row-exact token bounds, a valid upper bound on the
+  largest logit of the tile (baselines.md §6.2). The looser box-box bound is not used.
+- A fraction of the candidates instead of a fixed token budget, so one knob spans every context
+  length; the count is ceil(ratio * |C_i|), computed with a 1e-9 tolerance so that 0.1 * 30 gives 3.
+- Forced blocks are RBS's (for parity with the other block selectors) instead of Quest's "last page
+  always kept"; the top-k counts over every candidate, forced ones included, as RBS's row max does.
+- Every layer is sparse (Quest skips the first two layers); the harness applies one selector to all.
+- Ties: lower block id first, so the selection is deterministic (no tie order of Quest's own
+  top-k is relied on or reproduced).
+- `scale` is accepted and unused: a positive scale does not change the ranking.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rbs_bench.methods.rbs import BlockSelector
+from rbs_bench.methods.selection import BlockSelection, candidate_mask, num_blocks
+
+RATIO = 0.1
+# Elements of the [B, Hq, tokens, M] bound tile built at once (bounds the reference's memory).
+_TILE_ELEMS = 1 << 24
+
+
+def box_stats_ref(k: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Elementwise (kmin, kmax), fp32 [B, Hkv, M, D], over the real keys of each key block."""
+    b, h, n, d = k.shape
+    m = num_blocks(n, block_size)
+    pad = m * block_size - n
+    kf = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(b, h, m, block_size, d)
+    real = (torch.arange(m * block_size, device=k.device) < n).view(1, 1, m, block_size, 1)
+    kmin = kf.masked_fill(~real, math.inf).amin(3)
+    kmax = kf.masked_fill(~real, -math.inf).amax(3)
+    return kmin, kmax
+
+
+def box_scores_ref(q: Tensor, kmin: Tensor, kmax: Tensor, block_size: int) -> Tensor:
+    """fp32 [B, Hq, Mq, Mk]: max over each query block's real tokens of the token box bound.
+
+    q [B, Hq, N, D]; kmin/kmax [B, Hkv, Mk, D]; query head h reads KV head h // (Hq // Hkv).
+    Unscaled (the ranking does not depend on a positive softmax scale).
+    """
+    b, hq, n, d = q.shape
+    hkv, mk = kmin.shape[1], kmin.shape[2]
+    group = hq // hkv
+    mq = num_blocks(n, block_size)
+    out = torch.empty(b, hq, mq, mk, device=q.device)
+    step = max(1, _TILE_ELEMS // max(1, b * hq * block_size * mk))  # query blocks per tile
+    for i0 in range(0, mq, step):
+        i1 = min(mq, i0 + step)
+        t0, t1 = i0 * block_size, min(n, i1 * block_size)
+        qt = q[:, :, t0:t1].float().reshape(b, hkv, group, t1 - t0, d)  # [B, Hkv, G, T, D]
+        bound = torch.einsum("bkgtd,bkmd->bkgtm", qt.clamp_min(0), kmax)
+        bound += torch.einsum("bkgtd,bkmd->bkgtm", qt.clamp_max(0), kmin)  # [B, Hkv, G, T, Mk]
+        bound = bound.reshape(b, hq, t1 - t0, mk)
+        pad = (i1 - i0) * block_size - (t1 - t0)
+        if pad:  # a partial last query block: padded tokens never give the max
+            bound = torch.nn.functional.pad(bound, (0, 0, 0, pad), value=-math.inf)
+        out[:, :, i0:i1] = bound.view(b, hq, i1 - i0, block_size, mk).amax(3)
+    return out
+
+
+def top_fraction(scores: Tensor, candidates: Tensor, ratio: float) -> Tensor:
+    """bool [..., M, M]: the ceil(ratio * |C_i|) best candidates of each row (>= 1 if any).
+
+    Ties go to the lower block id (a stable descending sort keeps the ids of equal scores in order).
+    """
+    m = scores.shape[-1]
+    n_cand = candidates.sum(-1).tolist()  # [M]
+    count = [min(c, max(1, math.ceil(ratio * c - 1e-9))) for c in n_cand]
+    count = torch.tensor(count, device=scores.device)[:, None]  # [M, 1]
+    order = scores.masked_fill(~candidates, -math.inf).sort(dim=-1, descending=True, stable=True)[1]
+    in_top = (torch.arange(m, device=scores.device) < count).expand_as(order)
+    return torch.zeros_like(in_top).scatter(-1, order, in_top) & candidates
+
+
+@dataclass(frozen=True)
+class Quest(BlockSelector):
+    """Quest's box bound per (query block, key block), top `ratio` of the candidates, RBS's forced
+    blocks. Knob: ratio (larger keeps more)."""
+
+    ratio: float = RATIO
+
+    name = "quest"
+    knob = "ratio"
+    knob_direction = 1  # a larger ratio keeps more blocks
+    knob_range = (0.0, 1.0)  # a fraction: calibration searches it linearly
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        r = self.ratio
+        if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= 1):
+            raise ValueError(f"ratio must be a number in [0, 1], got {r!r}")
+
+    def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
+        self._check(q, k)
+        kmin, kmax = box_stats_ref(k, self.block_size)
+        scores = box_scores_ref(q, kmin, kmax, self.block_size)
+        cand = candidate_mask(scores.shape[-1], q.device)
+        return self._finish(top_fraction(scores, cand, self.ratio), q.shape[2])
+
+
+def main() -> None:
+    """Print one head's selection on a prompt with local attention and one needle key."""
+    torch.manual_seed(0)
+    n, d = 4096, 64
+    pos = torch.arange(n)[:, None] * torch.logspace(-2.5, 0, d // 2)[None, :]
+    rope = torch.cat([pos.cos(), pos.sin()], -1)  # q_t . k_s is large when |t - s| is small
+    q = 2.0 * rope + torch.randn(1, 4, n, d)
+    k = 2.0 * rope + torch.randn(1, 2, n, d)
+    k[:, :, 700] += 0.5 * q[:, ::2, 3000:3200].sum(2)  # block 5 holds one key late queries look for
+    sel = Quest()
+    s = sel.select(q, k)
+    print(f"{sel.name}: {sel.fields()}")
+    print(f"density {s.density():.4f}; kept per query block (head 0):", s.kv_count[0, 0].tolist())
+    kept = s.kv_indices[0, 0, 24, : s.kv_count[0, 0, 24]].tolist()
+    print(f"kept blocks of query block 24 (head 0; the needle is in block 5): {kept}")
+
+
+if __name__ == "__main__":
+    main()

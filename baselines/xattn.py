@@ -1,0 +1,190 @@
+"""XAttention (Xu et al., ICML'25): stride-S antidiagonal scoring, cumulative-mass threshold tau.
+
+The rule, as the public code runs it (research/baselines.md §3.1; `xattn_estimate` with
+select_mode "inverse" and `find_blocks_chunked`), per query head, with R = N / S reshaped positions:
+
+    Kr[c] = concat_t k[c S + t]           t = 0..S-1   (S consecutive keys)
+    Qr[r] = concat_t q[r S + S - 1 - t]                (S consecutive queries, reversed)
+    Qr[r] . Kr[c] = the sum of the S logits on the antidiagonal of the S x S token tile (r, c)
+    A[r, c] = softmax over c <= r of  Qr[r] . Kr[c] * scale / S       (causal per reshaped cell)
+    mass[i, j] = sum of A over the (B/S x B/S) cells of block pair (i, j)
+    per query block i:  required = tau * sum_j mass[i, j]
+        keep block 0 and the diagonal i, counting their mass first; then the other blocks
+        j in 1..i-1 in descending mass, each kept while the mass kept *before* it is < required
+        (so the block that crosses tau is kept, and tau = 0 keeps only block 0 and the diagonal)
+
+Knob: tau; a larger tau keeps more blocks. Stride S (16 by default, the paper's primary setting;
+8 allowed) must divide the block size (128 by default). GQA: query head h reads KV head
+h // (Hq / Hkv) without repeating K; batch > 1 runs each sequence independently.
+
+Quirks of the code that we keep on purpose (the ranking of blocks depends on them):
+- The logits are divided by S as well as by sqrt(D): each antidiagonal sum becomes a mean of S
+  token logits (`norm`, a further divisor, is 1 by default and not a field here).
+- Causality is applied per reshaped cell, not per token: the diagonal cell (r = c) is scored in
+  full, so half of its antidiagonal pairs have the key after the query.
+- A reshaped row or column that holds some real tokens is scored with zeros for the padded ones
+  (the divisor stays S); rows without a real token add nothing, so the row total of the last,
+  partial query block is its number of real reshaped rows.
+- tau is relative to the whole row mass, forced blocks included; every row of A sums to 1, so a
+  row total is B/S, not 1.
+
+Where we deliberately differ from upstream (mit-han-lab/x-attention, snapshot e37988770b):
+- Upstream asserts batch 1 and num_q_heads == num_kv_heads (callers repeat K/V); we select per
+  query head from the KV head directly, for any batch. Same result as repeating K/V.
+- Upstream rounds the reshaped logits and the block masses to the input dtype (bf16) before the
+  cumulative selection; we keep them in fp32 and run the selection in fp64.
+- Ties between equal masses go to the lower block id (upstream's unstable sort leaves them open).
+- One scalar tau. The paper's RULER runs use per-(layer, head) profiled tau tables; calibration here
+  moves a single tau to the target density. tau is limited to [0, 1] (tau = 1 keeps every block
+  whose mass is above rounding).
+- Stride 4 (also in upstream's RULER script) is not offered; S in {8, 16} as the harness specifies.
+- `scale` is the model's softmax scale when given (upstream always uses 1/sqrt(D)).
+- No keep_sink / keep_recent options (both off by default upstream), no chunked-prefill offset
+  (q_len == k_len), and the query chunk size only bounds memory: it never changes the result.
+The paper's text was not re-checked against this; where the code is explicit, we follow the code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rbs_bench.methods.selection import BlockSelection, num_blocks
+
+TAU = 0.9  # xattn_estimate's and MInference's default; near the S=16 profiled table's mean 0.91
+STRIDES = (8, 16)
+# Elements of the [B, Hq, rows, cols] reshaped-logit tile built at once (bounds memory).
+_TILE_ELEMS = 1 << 24
+
+
+def antidiagonal_mass_ref(
+    q: Tensor, k: Tensor, block_size: int, stride: int, scale: float | None = None
+) -> Tensor:
+    """fp32 [B, Hq, M, M]: the softmax mass of the antidiagonal estimate in each block pair.
+
+    q [B, Hq, N, D], k [B, Hkv, N, D]; entries above the diagonal are 0. Query blocks are processed
+    a chunk at a time, each against the reshaped keys up to the chunk's end.
+    """
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    group = hq // hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    m = num_blocks(n, block_size)
+    rb = block_size // stride  # reshaped positions per block
+    real = math.ceil(n / stride)  # reshaped positions holding at least one real token
+    pad = m * block_size - n
+    qr = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(b, hkv, group, m * rb, stride, d)
+    kr = torch.nn.functional.pad(k, (0, 0, 0, pad)).reshape(b, hkv, m * rb, stride * d)
+    mass = torch.zeros(b, hq, m, m, device=q.device)
+    step = max(1, _TILE_ELEMS // max(1, b * hq * rb * m * rb))  # query blocks per chunk
+    for i0 in range(0, m, step):
+        i1 = min(m, i0 + step)
+        r0, r1 = i0 * rb, i1 * rb
+        # Qr rows of the chunk: reverse the S queries of each reshaped row, then flatten them.
+        rows = qr[:, :, :, r0:r1].flip(-2).reshape(b, hkv, group, r1 - r0, stride * d).float()
+        logits = torch.einsum("bkgrx,bkcx->bkgrc", rows, kr[:, :, :r1].float())
+        logits = logits.reshape(b, hq, r1 - r0, r1) * (scale / stride)
+        r = torch.arange(r0, r1, device=q.device)[:, None]
+        c = torch.arange(r1, device=q.device)[None, :]
+        probs = logits.masked_fill(c > r, -math.inf).softmax(-1)  # padded cols are > real rows
+        probs = probs.masked_fill(r >= real, 0.0)  # rows without a real token add nothing
+        mass[:, :, i0:i1, :i1] = probs.view(b, hq, i1 - i0, rb, i1, rb).sum((3, 5))
+    return mass
+
+
+def cumulative_keep(mass: Tensor, tau: float) -> Tensor:
+    """bool [..., M, M]: XAttention's per-row cumulative rule on block masses (block-causal).
+
+    Block 0 and the diagonal are kept and counted first; the other blocks j < i follow in
+    descending mass (ties: lower id first), each kept while the mass before it is < tau * total.
+    """
+    m = mass.shape[-1]
+    i = torch.arange(m, device=mass.device)[:, None]
+    j = torch.arange(m, device=mass.device)[None, :]
+    forced = ((j == 0) | (j == i)) & (j <= i)
+    other = (j > 0) & (j < i)
+    v = mass.double().masked_fill(j > i, 0.0)
+    required = tau * v.sum(-1, keepdim=True)
+    before = v.masked_fill(~forced, 0.0).sum(-1, keepdim=True)  # the forced mass comes first
+    ranked, order = v.masked_fill(~other, -1.0).sort(dim=-1, descending=True, stable=True)
+    gain = ranked.clamp_min(0.0)
+    before = before + torch.nn.functional.pad(gain.cumsum(-1)[..., :-1], (1, 0))
+    keep_ranked = (before < required) & (ranked >= 0)  # non-candidates were ranked at -1
+    return torch.zeros_like(keep_ranked).scatter(-1, order, keep_ranked) | forced
+
+
+def _check_stride(stride, block_size) -> None:
+    if not isinstance(stride, int) or isinstance(stride, bool) or stride not in STRIDES:
+        raise ValueError(f"stride must be one of {STRIDES}, got {stride!r}")
+    if block_size % stride:
+        raise ValueError(f"block_size ({block_size}) must be a multiple of stride ({stride})")
+
+
+@dataclass(frozen=True)
+class XAttention:
+    """Antidiagonal block mass, cumulative threshold tau per query block, block 0 and diagonal kept.
+    Knob: tau (larger keeps more)."""
+
+    tau: float = TAU
+    stride: int = 16
+    block_size: int = 128
+
+    name = "xattn"
+    knob = "tau"
+    knob_direction = 1  # a larger tau keeps more blocks
+    knob_range = (0.0, 1.0)  # a fraction: calibration searches it linearly
+    is_dense = False
+
+    def __post_init__(self) -> None:
+        t = self.tau
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and 0 <= t <= 1):
+            raise ValueError(f"tau must be a number in [0, 1], got {t!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        _check_stride(self.stride, self.block_size)
+
+    def fields(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def with_knob(self, value: float) -> XAttention:
+        return dataclasses.replace(self, tau=value)
+
+    def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
+        if q.dim() != 4 or k.dim() != 4:
+            raise ValueError(
+                f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}"
+            )
+        if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(
+                f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
+            )
+        mass = antidiagonal_mass_ref(q, k, self.block_size, self.stride, scale)
+        keep = cumulative_keep(mass, self.tau)
+        return BlockSelection.from_mask(keep, self.block_size, self.block_size, q.shape[2])
+
+
+def main() -> None:
+    """Print the selection of one head on a prompt with a local (slash) and a vertical pattern."""
+    torch.manual_seed(0)
+    n, d = 2048, 64
+    pos = torch.arange(n)[:, None] * torch.logspace(-3, 0, d // 2)[None, :]
+    rope = torch.cat([pos.cos(), pos.sin()], -1)  # nearby tokens align: a slash pattern
+    q = 2.0 * rope + torch.randn(1, 4, n, d)
+    k = 2.0 * rope + torch.randn(1, 2, n, d)
+    k[:, :, 300:310] += 3.0 * q[:, ::2, 1800:1810].mean(2, keepdim=True)  # a vertical stripe
+    sel = XAttention()
+    s = sel.select(q, k)
+    print(f"{sel.name}: {sel.fields()}")
+    print(f"density {s.density():.4f}; kept per query block (head 0):", s.kv_count[0, 0].tolist())
+    kept = s.kv_indices[0, 0, 14, : s.kv_count[0, 0, 14]].tolist()
+    print(f"kept blocks of query block 14 (head 0; the stripe is in block 2): {kept}")
+
+
+if __name__ == "__main__":
+    main()
