@@ -13,6 +13,7 @@ Writes results/speed/attention_<gpu>.csv and a speedup-vs-context plot beside it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 import sys
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 
 from rbs_bench import methods, synthetic
 from rbs_bench.execution import EXECUTORS, execute
+from rbs_bench.kernels.flex_attn import flex_block_sparse_attention
+from rbs_bench.methods.selection import BlockSelection
 
 DENSE = ("sdpa_fa2", "sdpa_cudnn", "flex_dense")
 
@@ -42,7 +45,6 @@ def dense_fns(q, k, v) -> dict:
     """Dense causal attention callables; K/V are expanded to the query heads once, outside the
     timed region, so every backend runs the same MHA problem."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     g = q.shape[1] // k.shape[1]
     kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
@@ -54,24 +56,31 @@ def dense_fns(q, k, v) -> dict:
 
         return run
 
-    n = q.shape[2]
-    causal = create_block_mask(lambda b, h, qi, ki: qi >= ki, None, None, n, n, device=q.device)
-    flex = torch.compile(flex_attention)
+    # Dense Flex: every causal block through the same from_kv_blocks path (create_block_mask
+    # would materialise an N x N mask: 128 GiB at 128K).
+    b, h, n, _ = q.shape
+    full = BlockSelection.full(b, h, n, 128, q.device)
     return {
         "sdpa_fa2": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-        "flex_dense": lambda: flex(q, k, v, block_mask=causal, enable_gqa=True),
+        "flex_dense": lambda: flex_block_sparse_attention(
+            q, k, v, full.kv_count, full.kv_indices, full.block_q, full.block_k
+        ),
     }
 
 
 def calibrate(name: str, q, k, target: float, tol: float = 0.002, steps: int = 30):
     """The selector whose knob gives `target` measured density on this input (bisection)."""
     base = methods.build(name)
-    lo, hi = math.log(1e-4), math.log(1e3)  # knob searched in log space
+    # Bounded knobs (coverage, fraction) are searched linearly, open-ended ones in log space.
+    lo, hi = getattr(base, "knob_range", (1e-4, 1e3))
+    log = lo > 0
+    if log:
+        lo, hi = math.log(lo), math.log(hi)
     best = None
     for _ in range(steps):
         mid = (lo + hi) / 2
-        sel = base.with_knob(math.exp(mid))
+        sel = base.with_knob(math.exp(mid) if log else mid)
         density = sel.select(q, k).density()
         if best is None or abs(density - target) < abs(best[1] - target):
             best = (sel, density)
@@ -94,7 +103,8 @@ def selector_memory(selector, q, k) -> tuple[float, float]:
     sel = selector.select(q, k)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    index = sel.kv_count.numel() * 4 + sel.kv_indices.numel() * 4
+    tensors = [getattr(sel, f.name) for f in dataclasses.fields(sel)]  # the selection's own
+    index = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     return (peak - index) / 2**20, index / 2**20
 
 
@@ -103,16 +113,24 @@ def gpu_tag() -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
-def run(args) -> list[dict]:
+def run(args, csv: Path) -> list[dict]:
+    """Every length in turn; the CSV is rewritten after each row, so a killed run keeps its rows."""
+    import pandas as pd
+
     rows = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        pd.DataFrame(rows).to_csv(csv, index=False)
+
     for n in args.lengths:
-        rows += bench_length(args, n)
+        bench_length(args, n, emit)
         torch.cuda.empty_cache()
     return rows
 
 
-def bench_length(args, n: int) -> list[dict]:
-    """Rows for one context length: each dense baseline, then RBS at each target and executor."""
+def bench_length(args, n: int, emit) -> None:
+    """Rows for one context length: each dense baseline, then each method, target and executor."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     data = synthetic.generate(
         1, args.heads, args.kv_heads, n, args.head_dim, seed=args.seed, device="cuda", dtype=dtype
@@ -127,14 +145,14 @@ def bench_length(args, n: int) -> list[dict]:
         "head_dim": args.head_dim,
         "dtype": args.dtype,
     }
-    rows, dense_ms = [], {}
+    dense_ms = {}
     for name, fn in dense_fns(q, k, v).items():
         try:
             dense_ms[name] = do_bench(fn, args.rep_ms)
         except Exception as e:  # a backend this GPU or torch build lacks
             print(f"N={n} {name}: unavailable ({type(e).__name__}: {e})", file=sys.stderr)
             continue
-        rows.append(
+        emit(
             {
                 **common,
                 "method": name,
@@ -153,8 +171,8 @@ def bench_length(args, n: int) -> list[dict]:
             flush=True,
         )
     torch.cuda.empty_cache()
-    for target in args.targets:
-        selector, density = calibrate(args.method, q, k, target)
+    for method, target in [(m, t) for m in args.methods for t in args.targets]:
+        selector, density = calibrate(method, q, k, target)
         sel = selector.select(q, k)
         sel_ms = do_bench(lambda s=selector: s.select(q, k), args.rep_ms)
         workspace, index_mib = selector_memory(selector, q, k)
@@ -170,7 +188,7 @@ def bench_length(args, n: int) -> list[dict]:
                 continue
             row = {
                 **common,
-                "method": args.method,
+                "method": method,
                 "target": target,
                 "density": round(density, 5),
                 "executor": executor,
@@ -185,16 +203,15 @@ def bench_length(args, n: int) -> list[dict]:
             }
             for name, ms in dense_ms.items():
                 row[f"speedup_vs_{name}"] = ms / total_ms
-            rows.append(row)
+            emit(row)
             vs = "  ".join(f"x{ms / total_ms:5.1f} {name}" for name, ms in dense_ms.items())
             print(
-                f"N={n:>6} {args.method}@{target:.0%} density {density:.4f} {executor:9s} "
+                f"N={n:>6} {method}@{target:.0%} density {density:.4f} {executor:9s} "
                 f"sel {sel_ms:7.3f} + attn {attn_ms:8.3f} = {total_ms:8.3f} ms "
                 f"(sel {sel_ms / total_ms:4.0%}, {row['eff_tflops']:5.0f} TFLOP/s eff, "
                 f"ws {workspace:6.1f} MiB)  {vs}",
                 flush=True,
             )
-    return rows
 
 
 def plot(df, path: Path) -> None:
@@ -234,7 +251,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[16384, 32768, 65536, 131072, 262144])
     ap.add_argument("--targets", type=float, nargs="+", default=[0.02, 0.05, 0.10])
-    ap.add_argument("--method", default="rbs")
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        default=["rbs"],
+        help="registered methods to calibrate and time (the plot shows the first)",
+    )
     ap.add_argument(
         "--executors",
         nargs="+",
@@ -248,18 +270,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench time budget per measurement")
     ap.add_argument("--out", type=Path, default=Path("results/speed"))
+    ap.add_argument("--name", default="attention", help="file stem: <name>_<gpu>.csv/.png")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("rbs-bench: error: the attention benchmark needs a CUDA device", file=sys.stderr)
         return 2
     import pandas as pd
 
-    rows = run(args)
-    df = pd.DataFrame(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    csv = args.out / f"attention_{gpu_tag()}.csv"
-    df.to_csv(csv, index=False)
-    plot(df, csv.with_suffix(".png"))
+    csv = args.out / f"{args.name}_{gpu_tag()}.csv"
+    df = pd.DataFrame(run(args, csv))
+    plot(df[df["method"].isin([*DENSE, args.methods[0]])], csv.with_suffix(".png"))
     print(f"wrote {csv} and {csv.with_suffix('.png')}")
     return 0
 
