@@ -47,6 +47,7 @@ class BenchmarkCfg:
     num_samples: int = 5
     seed: int = 42
     max_new_tokens: int | None = None  # None: the task's official budget
+    data: dict[str, Any] = field(default_factory=dict)  # named data sources: hub ids or paths
 
 
 @dataclass

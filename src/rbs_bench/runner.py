@@ -100,15 +100,7 @@ class Session:
 
     def samples(self, cfg: DictConfig, loaded: Loaded, task: str, length: int):
         bench = benchmarks.get(cfg.benchmark.name)
-        key = (
-            cfg.benchmark.name,
-            task,
-            length,
-            cfg.benchmark.num_samples,
-            cfg.benchmark.seed,
-            cfg.benchmark.max_new_tokens,
-            OmegaConf.to_yaml(cfg.model),
-        )
+        key = (OmegaConf.to_yaml(cfg.benchmark), task, length, OmegaConf.to_yaml(cfg.model))
         if key not in loaded.samples:
             wrap = lambda text: models.wrap_prompt(loaded.tokenizer, cfg.model, text)
             try:
@@ -120,6 +112,7 @@ class Session:
                     seed=cfg.benchmark.seed,
                     wrap=wrap,
                     max_new_tokens=cfg.benchmark.max_new_tokens,
+                    data=OmegaConf.to_container(cfg.benchmark.data, resolve=True),
                 )
             except ValueError as e:
                 raise UserError(str(e)) from None
@@ -287,6 +280,7 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
         "density_layers_heads": stats["density_layers_heads"],
         "prediction": pred,
         "references": list(sample.references),
+        "meta": dict(getattr(sample, "meta", None) or {}),  # e.g. a benchmark's categories
         "score": bench.score_one(sample.task, pred, sample.references),
         "ttft_s": round(ttft, 6),
         "generate_s": round(total, 6),

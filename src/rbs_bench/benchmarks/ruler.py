@@ -226,10 +226,13 @@ def generate(
     seed: int = 42,
     wrap: Callable[[str], str] | None = None,
     max_new_tokens: int | None = None,
+    data: dict | None = None,
 ) -> list[Sample]:
     """`num_samples` prompts of `task`, each fitted so that its tokens + max new tokens fit.
 
     `max_new_tokens` replaces the task's official generation budget when given (smoke runs).
+    `data` names the sources of the tasks that read text (essays, QA sets); the offline tasks
+    need none.
 
     The prompt is `wrap(task_text) + answer_prefix`; `wrap` puts the task text in the model's chat
     format (user turn and the opening of the assistant turn) and defaults to identity. Tokens are
