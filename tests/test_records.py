@@ -63,3 +63,15 @@ def test_summary_tables_and_plot(tmp_path):
     assert "| dense | default | 2 | 100.00 | 1.0000 |" in md
     assert "rbs/default/records.jsonl" in md  # names the records it used
     assert (exp / "score_vs_density.png").stat().st_size > 1000
+
+
+def test_summary_splits_by_meta_categories(tmp_path):
+    exp = tmp_path / "runs" / "exp" / "tiny"
+    store = RecordStore(exp / "rbs" / "default" / "records.jsonl")
+    for i, (diff, score) in enumerate([("easy", 100.0), ("easy", 0.0), ("hard", 0.0)]):
+        store.append(_rec(i) | {"score": score, "meta": {"difficulty": diff, "domain": "qa"}})
+    report.write_summary(exp)
+    table = (exp / "summary_by_difficulty.csv").read_text().splitlines()
+    assert table[1:] == ["rbs,default,easy,2,50.0,0.5", "rbs,default,hard,1,0.0,0.5"]
+    assert not (exp / "summary_by_domain.csv").exists()  # one value: nothing to split
+    assert "## By difficulty" in (exp / "summary.md").read_text()

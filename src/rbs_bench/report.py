@@ -60,6 +60,24 @@ def summarize(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return by_task, overall
 
 
+def by_category(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Score and density per method/budget for each category key found in the records' meta
+    (e.g. LongBench-v2's difficulty and length class); {} when the records carry none."""
+    if "meta" not in df or not df["meta"].map(lambda m: isinstance(m, dict) and bool(m)).any():
+        return {}
+    meta = pd.json_normalize(df["meta"].map(lambda m: m if isinstance(m, dict) else {}).tolist())
+    tables = {}
+    for key in meta.columns:
+        sub = df[CELL + ["score", "density"]].assign(**{key: meta[key].values}).dropna()
+        if sub[key].nunique() > 1:
+            tables[key] = (
+                sub.groupby(CELL + [key], sort=False)
+                .agg(n=("score", "size"), score=("score", "mean"), density=("density", "mean"))
+                .reset_index()
+            )
+    return tables
+
+
 def markdown_table(df: pd.DataFrame, floats: dict[str, str]) -> str:
     cols = list(df.columns)
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
@@ -121,12 +139,16 @@ def write_summary(exp_dir: Path) -> pd.DataFrame | None:
         "ttft_s": ".3f",
     }
     sources = "".join(f"- `{s}`\n" for s in sorted(df["source"].unique()))
+    categories = ""
+    for key, table in by_category(df).items():
+        write_atomic(exp_dir / f"summary_by_{key}.csv", table.to_csv(index=False))
+        categories += f"\n## By {key}\n\n{markdown_table(table, fmt)}"
     md = (
         f"# {exp_dir.parent.name} on {exp_dir.name}\n\n"
         "Score: benchmark metric (0-100), mean over task x context-length groups. Density: kept "
         "causal block pairs / all causal block pairs, mean over layers, heads and samples.\n\n"
         f"{markdown_table(overall, fmt)}\n## By task and context length\n\n"
-        f"{markdown_table(by_task, fmt)}\nRun records:\n\n{sources}"
+        f"{markdown_table(by_task, fmt)}{categories}\nRun records:\n\n{sources}"
     )
     write_atomic(exp_dir / "summary.md", md)
     plot_score_vs_density(
