@@ -17,7 +17,13 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rbs_bench.config import CONFIG_MODULE, UserError, check_overrides, register_schemas, validate
+from rbs_bench.config import (
+    CONFIG_MODULE,
+    preflight,
+    register_schemas,
+    report_user_errors,
+    validate,
+)
 
 register_schemas()
 
@@ -70,21 +76,12 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
-    try:
-        run(cfg)
-    except UserError as e:
-        print(f"rbs-bench: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    report_user_errors(run, cfg)
 
 
 def main() -> None:
-    args = sys.argv[1:]
     # Compose once up front so a bad override (unknown option, misspelt field) is one clear line.
-    if not any(a.startswith("-") for a in args):
-        problem = check_overrides(args)
-        if problem:
-            print(f"rbs-bench: error: {problem}", file=sys.stderr)
-            sys.exit(2)
+    preflight(sys.argv[1:])
     _hydra_main()
 
 

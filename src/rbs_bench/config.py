@@ -8,6 +8,7 @@ selector's dataclass fields and the results column at once.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -53,7 +54,8 @@ class BenchmarkCfg:
 @dataclass
 class BudgetCfg:
     name: str = "default"
-    knob: float | None = None  # value of the method's calibration knob; None keeps its defaults
+    knob: float | None = None  # the method's calibration knob, set by hand
+    target: float | None = None  # measured density to calibrate to (rbs_bench.calibrate)
 
 
 @dataclass
@@ -147,6 +149,24 @@ def validate(cfg) -> None:
         extra = sorted(set(node.keys()) - set(valid) - {"hydra"})
         if extra:
             raise UserError(_unknown_field(f"{path}.{extra[0]}" if path else extra[0], valid))
+
+
+def preflight(argv: list[str]) -> None:
+    """Exit with one line if plain command-line overrides do not compose (before Hydra runs)."""
+    if not any(a.startswith("-") for a in argv):
+        problem = check_overrides(argv)
+        if problem:
+            print(f"rbs-bench: error: {problem}", file=sys.stderr)
+            sys.exit(2)
+
+
+def report_user_errors(fn, cfg) -> None:
+    """Run fn(cfg); a UserError becomes one line on stderr and exit status 2."""
+    try:
+        fn(cfg)
+    except UserError as e:
+        print(f"rbs-bench: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def check_overrides(overrides: list[str]) -> str | None:

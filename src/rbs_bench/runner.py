@@ -45,15 +45,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def build_selector(cfg: DictConfig):
-    """The method of this cell with its budget applied."""
+def build_selector(cfg: DictConfig, apply_budget: bool = True):
+    """The method of this cell, with its budget's knob (set by hand or calibrated) applied."""
     fields = {k: v for k, v in OmegaConf.to_container(cfg.method).items() if k != "name"}
+    budget = cfg.budget
+    if budget.knob is not None and budget.target is not None:
+        raise UserError(f"budget {budget.name!r} sets both knob and target; keep one")
     try:
         sel = methods.build(cfg.method.name, **fields)
-        if cfg.budget.knob is not None:
-            if sel.knob is None:
-                raise UserError(f"method {sel.name!r} has no knob; drop budget.knob for it")
-            sel = sel.with_knob(cfg.budget.knob)
+        if not apply_budget or sel.knob is None:
+            return sel  # dense has nothing to set: every budget means density 1
+        if budget.knob is not None:
+            return sel.with_knob(budget.knob)
+        if budget.target is not None:
+            from rbs_bench.calibrate import load_knob
+
+            return sel.with_knob(load_knob(cfg))
     except ValueError as e:
         raise UserError(str(e)) from None
     return sel
@@ -187,6 +194,7 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
                 "model": OmegaConf.to_container(cfg.model),
                 "method": selector.fields() | {"name": selector.name},
                 "budget.knob": cfg.budget.knob,
+                "budget.target": cfg.budget.target,
                 "benchmark": {
                     "name": cfg.benchmark.name,
                     "version": bench.VERSION,
@@ -269,6 +277,7 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
         "method_fields": selector.fields(),
         "budget": cfg.budget.name,
         "budget_knob": cfg.budget.knob,
+        "budget_target": cfg.budget.target,
         "benchmark": cfg.benchmark.name,
         "benchmark_version": bench.VERSION,
         "task": sample.task,
