@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= dev
 
-.PHONY: install quickstart ruler-budget test test-gpu lint report bench-attention gpu-check
+.PHONY: install quickstart ruler-budget test test-gpu lint report tables bench-attention gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ test: install
 # GPU-marked tests (FlexAttention, CUDA paths); run on a machine with a CUDA device.
 test-gpu: install
 	$(PY) -m pytest -q -m gpu
+
+# Paper-layout tables (Markdown + LaTeX) from the run records, with the paper's values beside ours
+# where the setting matches (results/paper/paper_values.csv). Writes results/tables/.
+tables: install
+	$(PY) -m rbs_bench.tables
 
 # Standalone prefill attention: dense SDPA/FlexAttention vs RBS at 2/5/10% density, 16K-256K.
 # Writes results/speed/attention_<gpu>.csv and .png. Needs a CUDA device.
