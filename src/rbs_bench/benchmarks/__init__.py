@@ -5,7 +5,11 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-BENCHMARKS = {"ruler": "rbs_bench.benchmarks.ruler"}
+BENCHMARKS = {
+    "ruler": "rbs_bench.benchmarks.ruler",
+    "longbench_v2": "rbs_bench.benchmarks.longbench_v2",
+    "infinitebench": "rbs_bench.benchmarks.infinitebench",
+}
 
 
 def get(name: str) -> ModuleType:
