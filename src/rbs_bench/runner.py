@@ -126,14 +126,21 @@ class Session:
         return loaded.samples[key]
 
 
-def _check_lengths(cfg: DictConfig) -> None:
+def _check_benchmark(cfg: DictConfig) -> None:
+    """Tasks, data sources and lengths, checked before a model is loaded."""
     bench = benchmarks.get(cfg.benchmark.name)
+    data = OmegaConf.to_container(cfg.benchmark.data, resolve=True)
     for task in cfg.benchmark.tasks:
         if task not in bench.TASKS:
             raise UserError(
                 f"unknown {cfg.benchmark.name} task {task!r}; "
                 f"valid: {', '.join(sorted(bench.TASKS))}"
             )
+        if hasattr(bench, "check_data"):  # a missing source fails now, not after model load
+            try:
+                bench.check_data(task, data)
+            except ValueError as e:
+                raise UserError(str(e)) from None
     for n in cfg.benchmark.context_lengths:
         if n > cfg.model.max_context:
             raise UserError(
@@ -183,7 +190,7 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) -> Path:
     """Run every pending sample of one cell; return the records file."""
-    _check_lengths(cfg)
+    _check_benchmark(cfg)
     selector = build_selector(cfg)
     bench = benchmarks.get(cfg.benchmark.name)
     out_dir = cell_dir(cfg, experiment)
