@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= dev
 
-.PHONY: install quickstart ruler-budget test test-gpu lint report tables bench-attention gpu-check
+.PHONY: install quickstart ruler-budget test test-gpu lint report tables figures bench-attention gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ test-gpu: install
 # where the setting matches (results/paper/paper_values.csv). Writes results/tables/.
 tables: install
 	$(PY) -m rbs_bench.tables
+
+# Figures redrawn from committed runs' CSVs (the mean-dilution observations, Figure 1).
+figures: install
+	$(PY) -m rbs_bench.observations
 
 # Standalone prefill attention: dense SDPA/FlexAttention vs RBS at 2/5/10% density, 16K-256K.
 # Writes results/speed/attention_<gpu>.csv and .png. Needs a CUDA device.

@@ -57,7 +57,10 @@ def _cli(*args):
         (["+method.alpah=0.3"], "'method.alpah' is not a field of method"),
         (["resutls_dir=x"], "'resutls_dir' is not a field of the run config"),
         (["method=rbs", "method.alpha_base=abc"], "method.alpha_base: Value 'abc'"),
-        (["+experiment=nosuch"], "unknown experiment 'nosuch'; valid: ruler_budget"),
+        (
+            ["+experiment=nosuch"],
+            f"unknown experiment 'nosuch'; valid: {', '.join(config.group_options('experiment'))}",
+        ),
     ],
 )
 def test_bad_overrides_fail_with_one_line(args, expect):

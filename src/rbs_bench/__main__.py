@@ -47,6 +47,12 @@ def grid_overrides(hc) -> list[list[str]]:
 
 
 def run(cfg: DictConfig) -> None:
+    if cfg.get("observations") is not None:  # +experiment=observations: an analysis, not a grid
+        from rbs_bench import observations
+
+        validate(cfg)
+        observations.run(cfg, HydraConfig.get().runtime.choices.get("experiment") or "adhoc")
+        return
     from rbs_bench import report
     from rbs_bench.loggers import make_logger
     from rbs_bench.runner import Session, experiment_dir, run_cell

@@ -74,6 +74,35 @@ class LoggerCfg:
 
 
 @dataclass
+class ObservationsCfg:
+    """`+experiment=observations`: the mean-dilution analysis (rbs_bench.observations)."""
+
+    synthetic: bool = False  # analyse rbs_bench.synthetic inputs instead of the model's prefill
+    context_length: int = 4096  # prompt tokens (synthetic: seq_len)
+    prompts: int = 2  # benchmark prompts of benchmark.tasks[0] (synthetic: seeds seed, seed+1..)
+    layers: list[int] | None = None  # layer indices to analyse (None: every layer)
+    heads: list[int] | None = None  # query heads to analyse (None: every head)
+    block_size: int = 128  # query/key block size of the analysis, given to every method
+    top_fraction: float = 0.05  # a query block's true top blocks: this share of its candidates
+    knob_points: int = 10  # knob values per method curve
+    methods: list[str] = field(
+        default_factory=lambda: [
+            "flashprefill",
+            "xattn",
+            "flexprefill",
+            "minference",
+            "quest",
+            "centroid",
+            "full_l2",
+            "rbs",
+        ]
+    )
+    seed: int = 0  # synthetic only: seed of the first prompt
+    generator: dict[str, Any] = field(default_factory=dict)  # synthetic.generate kwargs
+    structure: dict[str, Any] = field(default_factory=dict)  # synthetic.Structure fields
+
+
+@dataclass
 class RunCfg:
     model: ModelCfg = MISSING
     method: Any = MISSING  # one of the generated method schemas
@@ -85,6 +114,7 @@ class RunCfg:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     executor: str = "auto"  # sparse executor: auto | reference | flex
     progress: bool = True
+    observations: ObservationsCfg | None = None  # set by +experiment=observations
 
 
 def method_schema(name: str) -> type:

@@ -106,7 +106,7 @@ def generate(
     needles = []
     bs = s.needle_block
     m = math.ceil(n / bs)
-    if s.needles and m >= 8:
+    if s.needles and m >= 9:  # room for a key block in [2, m-6) and a later query block
         for b in range(batch):
             for h in range(kv_heads):
                 # key block in [2, m-6), query block at least 4 blocks later and before the last 2

@@ -1,0 +1,152 @@
+"""Block-mass reduction vs dense causal softmax, and the Triton kernel vs its reference.
+
+The reference is checked against a dense [N, N] softmax built in the test with the block mask summed
+by hand. Like test_rbs_select.py, the kernel tests run on CUDA directly, or, on a machine without
+CUDA, in a fresh Python with TRITON_INTERPRET=1 (`test_interpreter_suite`) on small CPU shapes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rbs_bench.kernels.block_mass import block_mass, block_mass_ref, causal_softmax_chunks
+from rbs_bench.kernels.block_stats import INTERPRET, triton_available
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA and not INTERPRET else ("cpu" if INTERPRET else None)
+kernel_test = pytest.mark.skipif(
+    DEVICE is None or not triton_available(),
+    reason="needs CUDA, or TRITON_INTERPRET=1 before import (test_interpreter_suite runs these)",
+)
+
+
+def qk(hq, hkv, n, d, seed=0, device="cpu", dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, hq, n, d, generator=g) * 1.5
+    k = torch.randn(1, hkv, n, d, generator=g)
+    k[:, :, :: max(1, n // 5)] *= 4  # a few keys that draw most of the mass
+    return q.to(device, dtype), k.to(device, dtype)
+
+
+def dense_block_mass(q, k, block, scale=None):
+    """[B, Hq, M, M] from the full [N, N] softmax: the definition, for small N only."""
+    b, hq, n, d = q.shape
+    kk = k.float().repeat_interleave(hq // k.shape[1], 1)
+    z = q.float() @ kk.transpose(-1, -2) * (scale or 1 / math.sqrt(d))
+    z = z.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+    p = z.softmax(-1)
+    m = math.ceil(n / block)
+    out = torch.zeros(b, hq, m, m)
+    for i in range(m):
+        for j in range(m):
+            out[:, :, i, j] = p[:, :, i * block : (i + 1) * block, j * block : (j + 1) * block].sum(
+                (-1, -2)
+            )
+    return out
+
+
+@pytest.mark.parametrize(
+    "n,block,hq,hkv,chunk",
+    [
+        (1, 16, 1, 1, 1024),
+        (127, 32, 2, 1, 1024),
+        (128, 32, 4, 2, 40),  # chunk rounds up to whole blocks
+        (129, 32, 4, 4, 32),
+        (300, 64, 4, 1, 100),
+        (257, 128, 2, 2, 1024),
+    ],
+)
+def test_reference_matches_dense_softmax(n, block, hq, hkv, chunk):
+    q, k = qk(hq, hkv, n, 16, seed=n)
+    got = block_mass_ref(q, k, block, chunk=chunk)
+    want = dense_block_mass(q, k, block)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    m = got.shape[-1]
+    rows = torch.tensor([min(block, n - i * block) for i in range(m)], dtype=torch.float32)
+    torch.testing.assert_close(got.sum(-1), rows.expand_as(got.sum(-1)), atol=1e-3, rtol=1e-5)
+    assert (got.triu(1) == 0).all()  # no key block after the query block
+
+
+def test_scale_is_the_softmax_temperature():
+    q, k = qk(2, 1, 100, 16)
+    torch.testing.assert_close(
+        block_mass_ref(q, k, 32, scale=0.5),
+        dense_block_mass(q, k, 32, scale=0.5),
+        atol=1e-4,
+        rtol=0,
+    )
+
+
+def test_chunks_yield_every_row_once():
+    q, k = qk(2, 2, 70, 8)
+    spans = [(t0, t1, p.shape) for t0, t1, p in causal_softmax_chunks(q, k, chunk=32)]
+    assert [(a, b) for a, b, _ in spans] == [(0, 32), (32, 64), (64, 70)]
+    assert spans[-1][2] == (1, 2, 6, 70)
+
+
+def test_bad_shapes_fail_with_one_line():
+    q, k = qk(3, 2, 10, 8)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        block_mass_ref(q, k, 4)
+    with pytest.raises(ValueError, match="block_size"):
+        block_mass_ref(*qk(2, 1, 10, 8), 0)
+
+
+@kernel_test
+@pytest.mark.parametrize(
+    "n,block,hq,hkv,d,dtype",
+    [
+        (1, 16, 1, 1, 16, torch.float32),
+        (129, 32, 4, 2, 16, torch.float32),
+        (77, 24, 2, 2, 16, torch.float32),  # block size not a power of two
+        (100, 32, 2, 1, 16, torch.float16),
+    ],
+)
+def test_kernel_matches_reference(n, block, hq, hkv, d, dtype):
+    q, k = qk(hq, hkv, n, d, seed=n, device=DEVICE, dtype=dtype)
+    got = block_mass(q, k, block)
+    want = block_mass_ref(q, k, block)  # fp32 from the same (rounded) inputs
+    torch.testing.assert_close(got, want, atol=2e-3 * block, rtol=1e-3)
+    assert (got.triu(1) == 0).all()
+
+
+@pytest.mark.skipif(
+    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
+)
+def test_interpreter_suite():
+    """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_matches"]
+    res = subprocess.run(
+        [*cmd, str(Path(__file__).resolve())],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    tail = "\n".join(res.stdout.strip().splitlines()[-30:])
+    assert res.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", tail)
+    assert passed and int(passed.group(1)) >= 4, tail
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n", [8192, 32768])
+def test_gpu_kernel_bf16_long(n):
+    from rbs_bench import synthetic
+
+    data = synthetic.generate(1, 8, 2, n, 128, seed=1, device="cuda", dtype=torch.bfloat16)
+    got = block_mass(data.q, data.k, 128)
+    want = block_mass_ref(data.q, data.k, 128)
+    torch.testing.assert_close(got, want, atol=0.05, rtol=2e-3)
+    torch.testing.assert_close(got.sum(-1)[..., :-1], torch.full_like(got.sum(-1)[..., :-1], 128.0))
