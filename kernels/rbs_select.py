@@ -6,20 +6,24 @@ the branch score is L[i, b] = logsumexp over the real tokens t of block i of z(t
 when L[i, b] >= log(alpha) + max over b' < i of L[i, b'], or when it is forced (sink blocks, the
 local window ending at the diagonal, the last query rows); only b <= i is ever kept.
 
-`rbs_select` is the Triton kernel: one program per (batch, query head, query block i) keeps the
-128-token query tile on chip, scores the key tiles b < i with one `tl.dot` against a tile of
-centroids, holds the row's scores in registers until the row maxima are known, then thresholds and
-writes the kept ids compacted with a prefix sum. Neither the N x M token logits nor the M x M
-scores reach device memory, and nothing syncs with the host. `rbs_select_ref` is its PyTorch
-reference (the scores from `block_scores_ref`, the mask rule below).
+`rbs_select` is the Triton path; `rbs_select_ref` its PyTorch reference (the scores from
+`block_scores_ref`, the mask rule below). Two launches, no host sync:
 
-The scores are computed in log2 units (scale * log2 e folded into the logits); the comparison is the
-same as in natural-log units. The centroids are centred per KV head, c_b = c_mean + (c_b - c_mean):
-q_t . c_mean is one fp32 number per token, added to every logit of the token, and the tensor-core
-dot reads only the residuals. For fp16/bf16 queries that dot runs in fp16 (residuals rounded to
-fp16, q exact unless |q| > 65504, where it is clamped); fp32 queries use an fp32 dot. Centring
-keeps the rounding error relative to the residuals, small where every key shares a large direction
-(attention sinks). `centred_centroids` gives what the kernel reads, for error estimates.
+- `_rbs_prep_kernel` centres the centroids per KV head (c_b = c_mean + r_b; what the tensor-core
+  dot reads is r_b, in fp16 for fp16/bf16 queries, fp32 for fp32 ones; `centred_centroids` gives
+  the same values) and stores them in a scoring order: key blocks whose uplift is exactly 0 (beta
+  = 0, every block at or below the median radius for rbs) first, the others from the end. A
+  zero-uplift block's rescue score equals its base score, so its tiles are scored once for both
+  branches: about a quarter fewer exponentials for rbs.
+- `_rbs_select_kernel` is persistent: each program takes (query block, head) rows, longest first,
+  keeps the 128-token query tile on chip, scores the key tiles with one `tl.dot` against a tile
+  of centroids, writes the row's scores to its own scratch row (by key-block id), then
+  thresholds them and writes the kept ids compacted with a prefix sum. Scores are in log2 units
+  (scale * log2 e folded into the logits). Within a row every exponential shares one offset (the
+  largest logit against key block 0, a candidate of every scored row), which keeps every score
+  that can reach a threshold far from fp32's underflow; a row whose scores come near overflow is
+  scored again with per-block maxima. Neither the N x M token logits nor the M x M scores reach
+  device memory.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ from torch import Tensor
 from .block_scores import block_scores_ref
 from .block_sparse_attn import block_lists_from_mask
 from .block_stats import check_triton_launch, jit, tl, triton
+
+# a real call: the callee's loop invariants are not hoisted into the caller's loop
+_jit_call = triton.jit(noinline=True) if triton is not None else jit
 
 BRANCHES = ("both", "base", "rescue")
 
@@ -139,15 +146,203 @@ def rbs_select_ref(
     return compact_mask(keep)
 
 
-# ---------------------------------------------------------------------------- the Triton kernel
+# ---------------------------------------------------------------------------- the Triton kernels
 
 
 @jit
-def _rbs_select_kernel(
+def _rbs_prep_kernel(
+    C,
+    Cmean,
+    U,
+    Res,
+    Uperm,
+    Inv,
+    Zc,
+    stride_cb,
+    stride_ch,
+    stride_cm,
+    stride_cd,
+    stride_mb,
+    stride_mh,
+    stride_md,
+    stride_ub,
+    stride_uh,
+    stride_um,
+    stride_rb,
+    stride_rh,
+    stride_rm,
+    stride_rd,
+    stride_pb,
+    stride_ph,
+    stride_pm,
+    stride_vb,
+    stride_vh,
+    stride_vm,
+    stride_zb,
+    stride_zh,
+    stride_zm,
+    m_blocks,
+    heads,
+    d_head,
+    ORDER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Centred centroids in the scoring order, with the order's bookkeeping (one chunk/program).
+
+    Blocks with uplift exactly 0 (beta = 0: every block at or below the median radius) go first,
+    ascending; the others fill the buffer from its end down, ascending ids at descending
+    positions. For query block i the candidates b < i are then the first Zc[i] positions and the
+    last i - Zc[i]: two ranges that never share a position, each scored by whole key tiles, and
+    the zero-uplift tiles need no rescue score (it equals the base score). The positions no block
+    takes hold zeros, so the scoring loads need no row masks.
+    """
+    bh = tl.program_id(0)
+    j = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    rows = j * BLOCK_C + tl.arange(0, BLOCK_C)  # ids; those past M fill the unused positions
+    rok = rows < m_blocks
+    pad = rows - m_blocks
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < d_head
+    u_row = U + b * stride_ub + h * stride_uh
+    if ORDER == 1:  # zero-uplift blocks first
+        offs = tl.arange(0, BLOCK_M)
+        zero_all = (tl.load(u_row + offs * stride_um, mask=offs < m_blocks, other=1.0) == 0.0).to(
+            tl.int32
+        )
+        before = tl.sum(tl.where(offs < j * BLOCK_C, zero_all, 0), 0)
+        u = tl.load(u_row + rows * stride_um, mask=rok, other=0.0)
+        zero = ((u == 0.0) & rok).to(tl.int32)
+        zc = before + tl.cumsum(zero, 0) - zero  # zero-uplift blocks before this one
+        pos = tl.where(zero != 0, zc, BLOCK_M - 1 - (rows - zc))
+        pos = tl.where(rok, pos, tl.sum(zero_all, 0) + pad)
+    elif ORDER == 2:  # every block uplifted (no sharing)
+        u = tl.load(u_row + rows * stride_um, mask=rok, other=0.0)
+        zc = rows * 0
+        pos = tl.where(rok, BLOCK_M - 1 - rows, pad)
+    else:  # base branch only: key-block order
+        zc = rows
+        pos = rows
+    if ORDER != 0:
+        tl.store(Uperm + b * stride_pb + h * stride_ph + pos * stride_pm, u)
+    inv_head = Inv + b * stride_vb + h * stride_vh
+    tl.store(inv_head + rows * stride_vm, pos, mask=rok)  # Inv[:M]: id -> position
+    tl.store(inv_head + (BLOCK_M + pos) * stride_vm, rows)  # Inv[BLOCK_M:]: position -> id
+    tl.store(Zc + b * stride_zb + h * stride_zh + rows * stride_zm, zc, mask=rok)
+    c_ptrs = C + b * stride_cb + h * stride_ch + rows[:, None] * stride_cm
+    c = tl.load(c_ptrs + offs_d[None, :] * stride_cd, mask=rok[:, None] & d_ok[None, :], other=0.0)
+    mean = tl.load(Cmean + b * stride_mb + h * stride_mh + offs_d * stride_md, mask=d_ok)
+    res = tl.where(rok[:, None], c - mean[None, :], 0.0).to(Res.dtype.element_ty)
+    r_ptrs = Res + b * stride_rb + h * stride_rh + pos[:, None] * stride_rm
+    tl.store(r_ptrs + offs_d[None, :] * stride_rd, res, mask=d_ok[None, :])
+
+
+@jit
+def _tile_dot(c_head, pos, offs_d, d_ok, stride_cm, stride_cd, q_t, DOT_F32: tl.constexpr):
+    c_ptrs = c_head + pos[:, None] * stride_cm + offs_d[None, :] * stride_cd
+    c = tl.load(c_ptrs, mask=d_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
+    if DOT_F32:
+        return tl.dot(c, q_t, input_precision="ieee")
+    return tl.dot(c, q_t)  # [BLOCK_K, BLOCK_Q] fp32
+
+
+@jit
+def _lse(x, off, EXACT: tl.constexpr):
+    """off + log2 sum_t 2^x[:, t]; EXACT subtracts each row's maximum first."""
+    if EXACT:
+        mx = tl.max(x, 1)
+        return off + mx + tl.log2(tl.sum(tl.exp2(x - mx[:, None]), 1))
+    return off + tl.log2(tl.sum(tl.exp2(x), 1))
+
+
+@jit
+def _score_row(
+    c_head,
+    u_head,
+    perm_head,
+    S0,
+    S1,
+    stride_cm,
+    stride_cd,
+    stride_um,
+    stride_pm,
+    offs_d,
+    d_ok,
+    q_t,
+    qk_scale,
+    bias,
+    q_norm,
+    off,
+    cz,
+    cp,
+    BASE: tl.constexpr,
+    RESCUE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    EXACT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Scores of one query block against its candidates, stored by key-block id.
+
+    S0[b] gets the base score, S1[b] the rescue score. The zero-uplift key blocks (positions
+    [0, cz)) get one score for both branches; the uplifted ones (positions [BLOCK_M - cp,
+    BLOCK_M), whole tiles from the end) both. Returns the per-column running maxima of the two
+    branches.
+
+    EXACT subtracts each key block's own token maximum before exponentiating (two passes over
+    the tile). Otherwise one offset `off` serves the whole row: off = max_t z(t, 0), block 0
+    being a candidate of every scored row, so every block whose score can reach a threshold
+    (L >= max L + log2 alpha >= off + log2 alpha) sums terms far above fp32's underflow; the
+    caller checks that no score came near overflow (L > off + 100) and otherwise redoes the row
+    exactly.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    max_b = tl.full([BLOCK_K], float("-inf"), tl.float32)
+    max_r = tl.full([BLOCK_K], float("-inf"), tl.float32)
+    for t in range(0, tl.cdiv(cz, BLOCK_K)):
+        pos = t * BLOCK_K + offs_k
+        cand = pos < cz
+        ids = tl.load(perm_head + pos * stride_pm)
+        s = _tile_dot(c_head, pos, offs_d, d_ok, stride_cm, stride_cd, q_t, DOT_F32)
+        lse = tl.where(cand, _lse(s * qk_scale + bias[None, :], off, EXACT), float("-inf"))
+        if BASE:
+            tl.store(S0 + ids, lse, mask=cand)
+            max_b = tl.maximum(max_b, lse)
+        if RESCUE:
+            tl.store(S1 + ids, lse, mask=cand)
+            max_r = tl.maximum(max_r, lse)
+    for t in range(0, tl.cdiv(cp, BLOCK_K)):
+        pos = BLOCK_M - (t + 1) * BLOCK_K + offs_k
+        cand = pos >= BLOCK_M - cp
+        ids = tl.load(perm_head + pos * stride_pm)
+        u = tl.load(u_head + pos * stride_um)
+        s = _tile_dot(c_head, pos, offs_d, d_ok, stride_cm, stride_cd, q_t, DOT_F32)
+        x = s * qk_scale + bias[None, :]
+        if BASE:
+            lse_b = tl.where(cand, _lse(x, off, EXACT), float("-inf"))
+            tl.store(S0 + ids, lse_b, mask=cand)
+            max_b = tl.maximum(max_b, lse_b)
+        lse_r = _lse(x + u[:, None] * q_norm[None, :], off, EXACT)
+        lse_r = tl.where(cand, lse_r, float("-inf"))
+        tl.store(S1 + ids, lse_r, mask=cand)
+        max_r = tl.maximum(max_r, lse_r)
+    return max_b, max_r
+
+
+@_jit_call
+def _select_row(
+    w,
     Q,
     C,
     Cmean,
     U,
+    Inv,
+    Zc,
+    S0,
+    S1,
     Count,
     Index,
     stride_qb,
@@ -164,6 +359,12 @@ def _rbs_select_kernel(
     stride_ub,
     stride_uh,
     stride_um,
+    stride_vb,
+    stride_vh,
+    stride_vm,
+    stride_zb,
+    stride_zh,
+    stride_zm,
     stride_nb,
     stride_nh,
     stride_nm,
@@ -173,6 +374,7 @@ def _rbs_select_kernel(
     stride_ik,
     n_ctx,
     m_blocks,
+    batch_heads,
     heads,
     group,
     block_size,
@@ -187,26 +389,30 @@ def _rbs_select_kernel(
     BASE: tl.constexpr,
     RESCUE: tl.constexpr,
     DOT_F32: tl.constexpr,
+    FAST: tl.constexpr,
+    OFF_MEAN: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    i = m_blocks - 1 - tl.program_id(1)  # the longest rows are launched first
+    """One query block of one (batch, query head): row w of the longest-first row list."""
+    offs_t = tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < d_head
+    cols = tl.arange(0, BLOCK_M)
+    i = m_blocks - 1 - w // batch_heads
+    bh = w % batch_heads
     b = (bh // heads).to(tl.int64)
     h = bh % heads
     hk = (h // group).to(tl.int64)
     h = h.to(tl.int64)
 
-    offs_t = tl.arange(0, BLOCK_Q)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_k = tl.arange(0, BLOCK_K)
     tok = i * block_size + offs_t
     real = (offs_t < block_size) & (tok < n_ctx)  # [BLOCK_Q] real tokens of query block i
-    d_ok = offs_d < d_head
     q_ptrs = Q + b * stride_qb + h * stride_qh + tok[:, None] * stride_qn
-    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=real[:, None] & d_ok[None, :], other=0.0)
+    q_ptrs = q_ptrs + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=real[:, None] & d_ok[None, :], other=0.0)
     qf = q.to(tl.float32)
     q_norm = tl.sqrt(tl.sum(qf * qf, 1)) * qk_scale  # [BLOCK_Q]
     c_mean = tl.load(Cmean + b * stride_mb + hk * stride_mh + offs_d * stride_md, mask=d_ok)
@@ -219,61 +425,216 @@ def _rbs_select_kernel(
 
     # Rows whose candidates are all forced need no scores.
     last_rows = i >= m_blocks - last_q_blocks
-    all_forced = last_rows | (i < scored_from)
-    n_tiles = (i + BLOCK_K - 1) // BLOCK_K * (1 - all_forced.to(tl.int32))
-
-    # The row's scores, [tile, column in tile]; -inf where not scored.
-    tiles = tl.arange(0, BLOCK_M // BLOCK_K)
-    row_b = tl.full([BLOCK_M // BLOCK_K, BLOCK_K], float("-inf"), tl.float32)
-    row_r = tl.full([BLOCK_M // BLOCK_K, BLOCK_K], float("-inf"), tl.float32)
-    max_b = tl.full([BLOCK_K], float("-inf"), tl.float32)
-    max_r = tl.full([BLOCK_K], float("-inf"), tl.float32)
+    scoring = (i < m_blocks - last_q_blocks) & (i >= scored_from)
     c_head = C + b * stride_cb + hk * stride_ch
     u_head = U + b * stride_ub + hk * stride_uh
-    for t in range(0, n_tiles):
-        kb = t * BLOCK_K + offs_k
-        cand = kb < i
-        c_ptrs = c_head + kb[:, None] * stride_cm + offs_d[None, :] * stride_cd
-        c = tl.load(c_ptrs, mask=cand[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_D]
-        if DOT_F32:
-            s = tl.dot(c, q_t, input_precision="ieee")
-        else:
-            s = tl.dot(c, q_t)  # [BLOCK_K, BLOCK_Q] fp32
-        z = s * qk_scale + tok_bias[None, :]
-        if BASE:
-            mz = tl.max(z, 1)
-            lse = mz + tl.log2(tl.sum(tl.exp2(z - mz[:, None]), 1))
-            lse = tl.where(cand, lse, float("-inf"))
-            max_b = tl.maximum(max_b, lse)
-            row_b = tl.where(tiles[:, None] == t, lse[None, :], row_b)
-        if RESCUE:
-            u = tl.load(u_head + kb * stride_um, mask=cand, other=0.0)
-            zr = z + u[:, None] * q_norm[None, :]
-            mz = tl.max(zr, 1)
-            lse = mz + tl.log2(tl.sum(tl.exp2(zr - mz[:, None]), 1))
-            lse = tl.where(cand, lse, float("-inf"))
-            max_r = tl.maximum(max_r, lse)
-            row_r = tl.where(tiles[:, None] == t, lse[None, :], row_r)
+    inv_head = Inv + b * stride_vb + hk * stride_vh
+    cz = tl.load(Zc + b * stride_zb + hk * stride_zh + i * stride_zm, mask=scoring, other=0)
+    cz = tl.where(scoring, cz, 0)
+    cp = tl.where(scoring, i - cz, 0)
+    if OFF_MEAN:  # the row's offset: the largest token logit against the mean centroid
+        off = tl.max(tok_bias, 0)
+    else:  # the largest token logit against key block 0
+        r0 = tl.load(c_head + tl.load(inv_head) * stride_cm + offs_d * stride_cd, mask=d_ok)
+        off = tl.max(tl.sum(qf * r0.to(tl.float32)[None, :], 1) * qk_scale + tok_bias, 0)
+    bias = tok_bias - off  # padded tokens: -inf
 
-    cols = tiles[:, None] * BLOCK_K + offs_k[None, :]  # [BLOCK_M // BLOCK_K, BLOCK_K]
-    window_lo = tl.where(last_rows, -1, i - window_blocks)  # the last rows keep every b <= i
-    keep = (cols < sink_blocks) | (cols > window_lo)
-    cand = cols < i
+    tl.debug_barrier()  # the previous row's reads of the scratch are done
+    perm_head = inv_head + BLOCK_M * stride_vm
+    max_b, max_r = _score_row(
+        c_head, u_head, perm_head, S0, S1, stride_cm, stride_cd, stride_um, stride_vm, offs_d,
+        d_ok, q_t, qk_scale, bias, q_norm, off, cz, cp, BASE, RESCUE, DOT_F32, not FAST, BLOCK_K,
+        BLOCK_M,
+    )  # fmt: skip
+    top_b = tl.max(max_b, 0)
+    top_r = tl.max(max_r, 0)
+    if FAST:
+        ok = True
+        if BASE:
+            ok = (top_b <= off + 100.0) & (top_b >= off - 60.0)
+        if RESCUE:
+            ok = ok & (top_r <= off + 100.0) & (top_r >= off - 60.0)
+        if scoring & (ok == 0):  # a score near fp32's overflow: redo with per-block maxima
+            max_b, max_r = _score_row(
+                c_head, u_head, perm_head, S0, S1, stride_cm, stride_cd, stride_um, stride_vm,
+                offs_d, d_ok, q_t, qk_scale, bias, q_norm, off, cz, cp, BASE, RESCUE, DOT_F32,
+                True, BLOCK_K, BLOCK_M,
+            )  # fmt: skip
+            top_b = tl.max(max_b, 0)
+            top_r = tl.max(max_r, 0)
+    tl.debug_barrier()  # every score of the row is in the scratch
+
+    # Thresholds, read back in key-block order.
+    inrow = cols < tl.where(scoring, i, 0)  # scored candidates, key-block order
+    lse_b = tl.load(S0 + cols, mask=inrow, other=float("-inf"))
+    picked = cols < 0
     if BASE:
-        keep = keep | (cand & (row_b >= tl.max(max_b, 0) + log2_alpha_base))
+        picked = picked | (lse_b >= top_b + log2_alpha_base)
     if RESCUE:
-        keep = keep | (cand & (row_r >= tl.max(max_r, 0) + log2_alpha_rescue))
+        lse_r = tl.load(S1 + cols, mask=inrow, other=float("-inf"))
+        picked = picked | (lse_r >= top_r + log2_alpha_rescue)
+    window_lo = tl.where(last_rows, -1, i - window_blocks)  # the last rows keep every b <= i
+    keep = (cols < sink_blocks) | (cols > window_lo) | (picked & inrow)
     keep = keep & (cols <= i)
 
-    # Compaction: position = kept ids before this one (in-tile prefix sum + earlier tiles).
+    # Compaction: position = kept ids before this one.
     k32 = keep.to(tl.int32)
-    per_tile = tl.sum(k32, 1)
-    pos = tl.cumsum(k32, 1) - k32 + (tl.cumsum(per_tile, 0) - per_tile)[:, None]
-    count = tl.sum(per_tile, 0)
+    slot = tl.cumsum(k32, 0) - k32
+    count = tl.sum(k32, 0)
     out = Index + b * stride_ib + h * stride_ih + i * stride_im
-    tl.store(out + pos * stride_ik, cols, mask=keep)
-    tl.store(out + cols * stride_ik, tl.zeros_like(cols), mask=(cols >= count) & (cols < m_blocks))
+    tl.store(out + slot * stride_ik, cols, mask=keep)
+    zero = tl.zeros_like(cols)
+    tl.store(out + cols * stride_ik, zero, mask=(cols >= count) & (cols < m_blocks))
     tl.store(Count + b * stride_nb + h * stride_nh + i * stride_nm, count)
+
+
+_select_row_inlined = jit(_select_row.fn) if triton is not None else _select_row
+
+
+@jit
+def _rbs_select_kernel(
+    Q,
+    C,
+    Cmean,
+    U,
+    Inv,
+    Zc,
+    Scratch,
+    Count,
+    Index,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_cb,
+    stride_ch,
+    stride_cm,
+    stride_cd,
+    stride_mb,
+    stride_mh,
+    stride_md,
+    stride_ub,
+    stride_uh,
+    stride_um,
+    stride_vb,
+    stride_vh,
+    stride_vm,
+    stride_zb,
+    stride_zh,
+    stride_zm,
+    stride_nb,
+    stride_nh,
+    stride_nm,
+    stride_ib,
+    stride_ih,
+    stride_im,
+    stride_ik,
+    n_ctx,
+    m_blocks,
+    batch_heads,
+    heads,
+    group,
+    block_size,
+    d_head,
+    qk_scale,  # scale * log2(e): scores in log2 units
+    log2_alpha_base,
+    log2_alpha_rescue,
+    sink_blocks,
+    window_blocks,
+    last_q_blocks,
+    scored_from,  # sink_blocks + max(window_blocks, 1): rows below it have only forced candidates
+    BASE: tl.constexpr,
+    RESCUE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    FAST: tl.constexpr,
+    CALL: tl.constexpr,
+    OFF_MEAN: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    # Persistent: program p takes rows p, p + P, ... of the (query block, batch x head) list,
+    # longest rows first; its scratch holds one row's scores at a time. The row is a called
+    # function so that its loop invariants stay out of this loop's registers.
+    S0 = Scratch + tl.program_id(0).to(tl.int64) * (2 * BLOCK_M)
+    S1 = S0 + BLOCK_M
+    for w in range(tl.program_id(0), m_blocks * batch_heads, tl.num_programs(0)):
+        (_select_row if CALL else _select_row_inlined)(
+            w,
+            Q,
+            C,
+            Cmean,
+            U,
+            Inv,
+            Zc,
+            S0,
+            S1,
+            Count,
+            Index,
+            stride_qb,
+            stride_qh,
+            stride_qn,
+            stride_qd,
+            stride_cb,
+            stride_ch,
+            stride_cm,
+            stride_cd,
+            stride_mb,
+            stride_mh,
+            stride_md,
+            stride_ub,
+            stride_uh,
+            stride_um,
+            stride_vb,
+            stride_vh,
+            stride_vm,
+            stride_zb,
+            stride_zh,
+            stride_zm,
+            stride_nb,
+            stride_nh,
+            stride_nm,
+            stride_ib,
+            stride_ih,
+            stride_im,
+            stride_ik,
+            n_ctx,
+            m_blocks,
+            batch_heads,
+            heads,
+            group,
+            block_size,
+            d_head,
+            qk_scale,
+            log2_alpha_base,
+            log2_alpha_rescue,
+            sink_blocks,
+            window_blocks,
+            last_q_blocks,
+            scored_from,
+            BASE,
+            RESCUE,
+            DOT_F32,
+            FAST,
+            OFF_MEAN,
+            BLOCK_Q,
+            BLOCK_K,
+            BLOCK_D,
+            BLOCK_M,
+        )
+
+
+_SM_COUNT: dict = {}
+
+
+def _programs(device: torch.device, rows: int, per_sm: int) -> int:
+    """Persistent grid size: `per_sm` programs per multiprocessor (a few under the interpreter)."""
+    if device.type != "cuda":
+        return max(1, min(rows, 3))
+    if device not in _SM_COUNT:
+        _SM_COUNT[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(rows, per_sm * _SM_COUNT[device]))
 
 
 def _launch(
@@ -291,9 +652,24 @@ def _launch(
     block_k: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
-    maxnreg: int | None = None,
+    maxnreg: int | None = 168,
+    fast: bool = True,
+    share: bool = True,
+    per_sm: int = 3,
+    call: bool = True,
+    offset: str = "block0",
 ):
-    """`rbs_select` with the launch configuration open (for tests and tuning)."""
+    """`rbs_select` with the launch configuration open (for tests and tuning).
+
+    fast: one exponent offset per row (with the exact redo) instead of per-block maxima; share:
+    score zero-uplift key blocks once for both branches; per_sm: persistent programs per
+    multiprocessor, to match the occupancy that the registers (maxnreg) and shared memory allow
+    (168 registers and 66 KB: 3 programs of 4 warps on a Hopper SM); call: the row as a called
+    function (False: inlined into the persistent loop, whose registers then hold the row's loop
+    invariants); offset: the row's exponent offset, the largest logit against key block 0
+    ("block0": scores that matter cannot underflow) or against the mean centroid ("mean": one
+    reduction less; the redo covers rows where it misses by more than 2^60).
+    """
     base, rescue = _branches(branches)
     check_triton_launch("rbs_select", q, centroid, uplift_rescue if rescue else None)
     _check_inputs(q, centroid, uplift_rescue, block_size, rescue)
@@ -301,33 +677,81 @@ def _launch(
     hkv, m = centroid.shape[1], centroid.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     dot_f32 = q.dtype == torch.float32
-    c_mean, c = centred_centroids(centroid, torch.float32 if dot_f32 else torch.float16)
-    u = uplift_rescue.float() if rescue else centroid.new_zeros(1, 1, 1)
-    count = torch.empty(b, hq, m, device=q.device, dtype=torch.int32)
-    index = torch.empty(b, hq, m, m, device=q.device, dtype=torch.int32)
 
     def log2a(alpha: float) -> float:
         if not (math.isfinite(alpha) and alpha >= 0):
             raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
         return math.log2(alpha) if alpha > 0 else -math.inf
 
+    log2_alphas = [log2a(a) for a, on in ((alpha_base, base), (alpha_rescue, rescue)) if on]
+    # the one-offset scores resolve thresholds down to about 2^-60 below the row maximum
+    fast = fast and all(a >= -50 or a == -math.inf for a in log2_alphas)
     block_k = min(block_k, max(16, triton.next_power_of_2(m)))
-    extra = {} if maxnreg is None else {"maxnreg": maxnreg}
-    _rbs_select_kernel[(b * hq, m)](
-        q,
-        c,
+    block_m = max(block_k, triton.next_power_of_2(m))
+    block_d = max(16, triton.next_power_of_2(d))
+    order = (1 if share else 2) if rescue else 0
+
+    # centred centroids (as `centred_centroids`) in scoring order, and the order's bookkeeping
+    centroid = centroid.float()
+    c_mean = centroid.mean(2)
+    res_dtype = torch.float32 if dot_f32 else torch.float16
+    res = torch.empty(b, hkv, block_m, d, device=q.device, dtype=res_dtype)
+    u = uplift_rescue.float() if rescue else centroid.new_zeros(1, 1, 1)
+    u_perm = torch.empty(b, hkv, block_m, device=q.device) if rescue else u
+    inv = torch.empty(b, hkv, 2 * block_m, device=q.device, dtype=torch.int32)
+    zc = torch.empty(b, hkv, m, device=q.device, dtype=torch.int32)
+    block_c = min(64, block_m)
+    _rbs_prep_kernel[(b * hkv, block_m // block_c)](
+        centroid,
         c_mean,
         u,
+        res,
+        u_perm,
+        inv,
+        zc,
+        *centroid.stride(),
+        *c_mean.stride(),
+        *u.stride(),
+        *res.stride(),
+        *u_perm.stride(),
+        *inv.stride(),
+        *zc.stride(),
+        m,
+        hkv,
+        d,
+        ORDER=order,
+        BLOCK_M=block_m,
+        BLOCK_C=block_c,
+        BLOCK_D=block_d,
+        num_warps=4,
+    )
+
+    count = torch.empty(b, hq, m, device=q.device, dtype=torch.int32)
+    index = torch.empty(b, hq, m, m, device=q.device, dtype=torch.int32)
+    extra = {} if maxnreg is None or q.device.type != "cuda" else {"maxnreg": maxnreg}
+    programs = _programs(q.device, b * hq * m, per_sm)
+    scratch = torch.empty(programs, 2, block_m, device=q.device)
+    _rbs_select_kernel[(programs,)](
+        q,
+        res,
+        c_mean,
+        u_perm,
+        inv,
+        zc,
+        scratch,
         count,
         index,
         *q.stride(),
-        *c.stride(),
+        *res.stride(),
         *c_mean.stride(),
-        *u.stride(),
+        *u_perm.stride(),
+        *inv.stride(),
+        *zc.stride(),
         *count.stride(),
         *index.stride(),
         n,
         m,
+        b * hq,
         hq,
         hq // hkv,
         block_size,
@@ -342,10 +766,13 @@ def _launch(
         BASE=base,
         RESCUE=rescue,
         DOT_F32=dot_f32,
+        FAST=fast,
+        CALL=call,
+        OFF_MEAN=offset == "mean",
         BLOCK_Q=max(16, triton.next_power_of_2(block_size)),
         BLOCK_K=block_k,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
-        BLOCK_M=max(block_k, triton.next_power_of_2(m)),
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
         num_warps=num_warps,
         num_stages=num_stages,
         **extra,

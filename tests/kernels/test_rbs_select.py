@@ -159,6 +159,7 @@ CASES = [
     (1, 1, 1, 1000, 64, 32, torch.float32, "rescue", 0.9, 0.9, 0, 0, 0),
     (2, 2, 1, 300, 64, 32, torch.float32, "both", 0.0, 5.0, 0, 1, 0),
     (1, 2, 1, 500, 64, 48, torch.float32, "base", 0.3, 0.18, 1, 2, 1),
+    (1, 2, 1, 700, 64, 32, torch.float32, "both", 1e-30, 0.18, 1, 2, 1),  # exact scores only
 ]
 
 
@@ -199,6 +200,55 @@ def test_rbs_select_multi_tile_rows():
     count, idx = _launch(*args, None, branches, block_k=16)
     check_layout(count, idx)
     count0, idx0 = rbs_select_ref(*args, branches=branches)
+    assert_same_sets(lists_to_mask(count, idx), lists_to_mask(count0, idx0), near)
+
+
+@kernel_test
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(fast=False),
+        dict(share=False),
+        dict(per_sm=1),
+        dict(call=False),
+        dict(offset="mean"),
+    ],
+    ids=["exact", "no-share", "one-program", "inlined", "mean-offset"],
+)
+def test_rbs_select_launch_options(opts):
+    """Exact scores, no zero-uplift sharing, a single persistent program, the row inlined."""
+    case = (1, 2, 1, 600, 64, 16, torch.float16, "both", 0.22, 0.18, 2, 4, 2)  # M = 38, 3 tiles
+    args, branches, near = _inputs(case, seed=5)
+    count, idx = _launch(*args, None, branches, block_k=16, **opts)
+    check_layout(count, idx)
+    count0, idx0 = rbs_select_ref(*args, branches=branches)
+    assert_same_sets(lists_to_mask(count, idx), lists_to_mask(count0, idx0), near)
+
+
+@kernel_test
+@pytest.mark.parametrize("offset", ["block0", "mean"])
+@pytest.mark.parametrize("branches", ["both", "rescue"])
+def test_rbs_select_huge_logits(branches, offset):
+    """Scores far above the row's offset (fp32 overflow: the exact redo) and far below it."""
+    case = (1, 2, 1, 640, 64, 64, torch.float32, branches, 0.22, 0.18, 1, 1, 0)
+    (q, c, u, bs, *rest), _, _ = _inputs(case, seed=9)
+    v = torch.randn(64, generator=torch.Generator().manual_seed(9))
+    v = v / v.norm()
+    q = q + 3 * v.to(q.device)  # every query leans to v; block 5 along it, block 7 against it
+    c = c.clone()
+    c[:, :, 5] += 10 * v.to(c.device)
+    c[:, :, 7] -= 10 * v.to(c.device)
+    args = (q, c, u, bs, *rest)
+    scale = 4.0  # logits in the hundreds
+    scores = block_scores_ref(q, c, [None], bs, scale)[0] * math.log2(math.e)
+    block0 = (q.float() @ c[0, 0, 0] * scale * math.log2(math.e)).view(1, 2, -1, bs).amax(-1)
+    gap = (scores - block0[..., None]).masked_fill(~candidate_mask(c.shape[2], q.device), 0)
+    assert gap.amax() > 150 and gap.amin() < -150  # beyond fp32's range around the row offset
+    count, idx = _launch(*args, scale, branches, offset=offset)
+    check_layout(count, idx)
+    count0, idx0 = rbs_select_ref(*args, scale=scale, branches=branches)
+    forced = forced_mask(c.shape[2], 1, 1, 0, q.device)
+    near, _ = boundary(q, c, u, bs, (0.22, 0.18), branches, forced, scale=scale)
     assert_same_sets(lists_to_mask(count, idx), lists_to_mask(count0, idx0), near)
 
 
