@@ -28,6 +28,12 @@ Where we deliberately differ from Quest:
 - Ties: lower block id first, so the selection is deterministic (no tie order of Quest's own
   top-k is relied on or reproduced).
 - `scale` is accepted and unused: a positive scale does not change the ranking.
+
+Field `impl` picks the code, as for the RBS family: "torch" the PyTorch reference (fp32 scores,
+a stable sort), "triton" the kernels of kernels/quest_select.py (box scores with two tensor-core
+dots and a max per query block, top-k by bisection; Quest's own estimate kernels are CUDA, for
+decode), on CUDA or under TRITON_INTERPRET=1; "auto" (the default) means "triton" on CUDA when
+Triton is installed, else "torch". Both give the same selection up to near ties at the top-k cut.
 """
 
 from __future__ import annotations
@@ -36,66 +42,22 @@ import math
 from dataclasses import dataclass
 
 import torch
+from rbs_bench.kernels.quest_select import (
+    MAX_BLOCKS,
+    box_scores_ref,
+    box_stats,
+    box_stats_ref,
+    quest_select,
+    top_fraction,
+)
 from torch import Tensor
 
-from rbs_bench.methods.rbs import BlockSelector
-from rbs_bench.methods.selection import BlockSelection, candidate_mask, num_blocks
+from rbs_bench.methods.rbs import BlockSelector, _check_impl, _use_triton
+from rbs_bench.methods.selection import BlockSelection, candidate_mask
+
+__all__ = ["RATIO", "Quest", "box_scores_ref", "box_stats_ref", "top_fraction"]
 
 RATIO = 0.1
-# Elements of the [B, Hq, tokens, M] bound tile built at once (bounds the reference's memory).
-_TILE_ELEMS = 1 << 24
-
-
-def box_stats_ref(k: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
-    """Elementwise (kmin, kmax), fp32 [B, Hkv, M, D], over the real keys of each key block."""
-    b, h, n, d = k.shape
-    m = num_blocks(n, block_size)
-    pad = m * block_size - n
-    kf = torch.nn.functional.pad(k.float(), (0, 0, 0, pad)).view(b, h, m, block_size, d)
-    real = (torch.arange(m * block_size, device=k.device) < n).view(1, 1, m, block_size, 1)
-    kmin = kf.masked_fill(~real, math.inf).amin(3)
-    kmax = kf.masked_fill(~real, -math.inf).amax(3)
-    return kmin, kmax
-
-
-def box_scores_ref(q: Tensor, kmin: Tensor, kmax: Tensor, block_size: int) -> Tensor:
-    """fp32 [B, Hq, Mq, Mk]: max over each query block's real tokens of the token box bound.
-
-    q [B, Hq, N, D]; kmin/kmax [B, Hkv, Mk, D]; query head h reads KV head h // (Hq // Hkv).
-    Unscaled (the ranking does not depend on a positive softmax scale).
-    """
-    b, hq, n, d = q.shape
-    hkv, mk = kmin.shape[1], kmin.shape[2]
-    group = hq // hkv
-    mq = num_blocks(n, block_size)
-    out = torch.empty(b, hq, mq, mk, device=q.device)
-    step = max(1, _TILE_ELEMS // max(1, b * hq * block_size * mk))  # query blocks per tile
-    for i0 in range(0, mq, step):
-        i1 = min(mq, i0 + step)
-        t0, t1 = i0 * block_size, min(n, i1 * block_size)
-        qt = q[:, :, t0:t1].float().reshape(b, hkv, group, t1 - t0, d)  # [B, Hkv, G, T, D]
-        bound = torch.einsum("bkgtd,bkmd->bkgtm", qt.clamp_min(0), kmax)
-        bound += torch.einsum("bkgtd,bkmd->bkgtm", qt.clamp_max(0), kmin)  # [B, Hkv, G, T, Mk]
-        bound = bound.reshape(b, hq, t1 - t0, mk)
-        pad = (i1 - i0) * block_size - (t1 - t0)
-        if pad:  # a partial last query block: padded tokens never give the max
-            bound = torch.nn.functional.pad(bound, (0, 0, 0, pad), value=-math.inf)
-        out[:, :, i0:i1] = bound.view(b, hq, i1 - i0, block_size, mk).amax(3)
-    return out
-
-
-def top_fraction(scores: Tensor, candidates: Tensor, ratio: float) -> Tensor:
-    """bool [..., M, M]: the ceil(ratio * |C_i|) best candidates of each row (>= 1 if any).
-
-    Ties go to the lower block id (a stable descending sort keeps the ids of equal scores in order).
-    """
-    m = scores.shape[-1]
-    n_cand = candidates.sum(-1).tolist()  # [M]
-    count = [min(c, max(1, math.ceil(ratio * c - 1e-9))) for c in n_cand]
-    count = torch.tensor(count, device=scores.device)[:, None]  # [M, 1]
-    order = scores.masked_fill(~candidates, -math.inf).sort(dim=-1, descending=True, stable=True)[1]
-    in_top = (torch.arange(m, device=scores.device) < count).expand_as(order)
-    return torch.zeros_like(in_top).scatter(-1, order, in_top) & candidates
 
 
 @dataclass(frozen=True)
@@ -104,6 +66,7 @@ class Quest(BlockSelector):
     blocks. Knob: ratio (larger keeps more)."""
 
     ratio: float = RATIO
+    impl: str = "auto"
 
     name = "quest"
     knob = "ratio"
@@ -115,9 +78,15 @@ class Quest(BlockSelector):
         r = self.ratio
         if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= 1):
             raise ValueError(f"ratio must be a number in [0, 1], got {r!r}")
+        _check_impl(self.impl)
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)
+        bs, n = self.block_size, q.shape[2]
+        if _use_triton(self.impl, q.device) and -(-n // bs) <= MAX_BLOCKS:
+            forced = (self.sink_blocks, self.window_blocks, self.last_q_blocks)
+            count, index = quest_select(q, *box_stats(k, bs), bs, self.ratio, *forced)
+            return BlockSelection(count, index, bs, bs, n)
         kmin, kmax = box_stats_ref(k, self.block_size)
         scores = box_scores_ref(q, kmin, kmax, self.block_size)
         cand = candidate_mask(scores.shape[-1], q.device)

@@ -42,6 +42,13 @@ Where we deliberately differ from upstream (mit-han-lab/x-attention, snapshot e3
 - No keep_sink / keep_recent options (both off by default upstream), no chunked-prefill offset
   (q_len == k_len), and the query chunk size only bounds memory: it never changes the result.
 The paper's text was not re-checked against this; where the code is explicit, we follow the code.
+
+Field `impl` picks the code, as for the RBS family: "torch" the PyTorch reference below (fp32 mass,
+fp64 rule), "triton" the fused kernels of kernels/xattn_select.py (the reshaped GEMM, the softmax
+and the block sums in one pass, the rule by bisection; upstream has Triton kernels for the same
+steps), on CUDA or under TRITON_INTERPRET=1; "auto" (the default) means "triton" on CUDA when
+Triton is installed and block_size / stride is a power of two <= 128, else "torch". Both give the
+same selection up to blocks whose cumulative mass sits within rounding of tau.
 """
 
 from __future__ import annotations
@@ -51,70 +58,21 @@ import math
 from dataclasses import dataclass
 
 import torch
+from rbs_bench.kernels.xattn_select import (
+    antidiagonal_mass_ref,
+    cumulative_keep,
+    supported,
+    xattn_select,
+)
 from torch import Tensor
 
-from rbs_bench.methods.selection import BlockSelection, num_blocks
+from rbs_bench.methods.rbs import _check_impl, _use_triton
+from rbs_bench.methods.selection import BlockSelection
+
+__all__ = ["STRIDES", "TAU", "XAttention", "antidiagonal_mass_ref", "cumulative_keep"]
 
 TAU = 0.9  # xattn_estimate's and MInference's default; near the S=16 profiled table's mean 0.91
 STRIDES = (8, 16)
-# Elements of the [B, Hq, rows, cols] reshaped-logit tile built at once (bounds memory).
-_TILE_ELEMS = 1 << 24
-
-
-def antidiagonal_mass_ref(
-    q: Tensor, k: Tensor, block_size: int, stride: int, scale: float | None = None
-) -> Tensor:
-    """fp32 [B, Hq, M, M]: the softmax mass of the antidiagonal estimate in each block pair.
-
-    q [B, Hq, N, D], k [B, Hkv, N, D]; entries above the diagonal are 0. Query blocks are processed
-    a chunk at a time, each against the reshaped keys up to the chunk's end.
-    """
-    b, hq, n, d = q.shape
-    hkv = k.shape[1]
-    group = hq // hkv
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
-    m = num_blocks(n, block_size)
-    rb = block_size // stride  # reshaped positions per block
-    real = math.ceil(n / stride)  # reshaped positions holding at least one real token
-    pad = m * block_size - n
-    qr = torch.nn.functional.pad(q, (0, 0, 0, pad)).view(b, hkv, group, m * rb, stride, d)
-    kr = torch.nn.functional.pad(k, (0, 0, 0, pad)).reshape(b, hkv, m * rb, stride * d)
-    mass = torch.zeros(b, hq, m, m, device=q.device)
-    step = max(1, _TILE_ELEMS // max(1, b * hq * rb * m * rb))  # query blocks per chunk
-    for i0 in range(0, m, step):
-        i1 = min(m, i0 + step)
-        r0, r1 = i0 * rb, i1 * rb
-        # Qr rows of the chunk: reverse the S queries of each reshaped row, then flatten them.
-        rows = qr[:, :, :, r0:r1].flip(-2).reshape(b, hkv, group, r1 - r0, stride * d).float()
-        logits = torch.einsum("bkgrx,bkcx->bkgrc", rows, kr[:, :, :r1].float())
-        logits = logits.reshape(b, hq, r1 - r0, r1) * (scale / stride)
-        r = torch.arange(r0, r1, device=q.device)[:, None]
-        c = torch.arange(r1, device=q.device)[None, :]
-        probs = logits.masked_fill(c > r, -math.inf).softmax(-1)  # padded cols are > real rows
-        probs = probs.masked_fill(r >= real, 0.0)  # rows without a real token add nothing
-        mass[:, :, i0:i1, :i1] = probs.view(b, hq, i1 - i0, rb, i1, rb).sum((3, 5))
-    return mass
-
-
-def cumulative_keep(mass: Tensor, tau: float) -> Tensor:
-    """bool [..., M, M]: XAttention's per-row cumulative rule on block masses (block-causal).
-
-    Block 0 and the diagonal are kept and counted first; the other blocks j < i follow in
-    descending mass (ties: lower id first), each kept while the mass before it is < tau * total.
-    """
-    m = mass.shape[-1]
-    i = torch.arange(m, device=mass.device)[:, None]
-    j = torch.arange(m, device=mass.device)[None, :]
-    forced = ((j == 0) | (j == i)) & (j <= i)
-    other = (j > 0) & (j < i)
-    v = mass.double().masked_fill(j > i, 0.0)
-    required = tau * v.sum(-1, keepdim=True)
-    before = v.masked_fill(~forced, 0.0).sum(-1, keepdim=True)  # the forced mass comes first
-    ranked, order = v.masked_fill(~other, -1.0).sort(dim=-1, descending=True, stable=True)
-    gain = ranked.clamp_min(0.0)
-    before = before + torch.nn.functional.pad(gain.cumsum(-1)[..., :-1], (1, 0))
-    keep_ranked = (before < required) & (ranked >= 0)  # non-candidates were ranked at -1
-    return torch.zeros_like(keep_ranked).scatter(-1, order, keep_ranked) | forced
 
 
 def _check_stride(stride, block_size) -> None:
@@ -132,6 +90,7 @@ class XAttention:
     tau: float = TAU
     stride: int = 16
     block_size: int = 128
+    impl: str = "auto"
 
     name = "xattn"
     knob = "tau"
@@ -146,6 +105,7 @@ class XAttention:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         _check_stride(self.stride, self.block_size)
+        _check_impl(self.impl)
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -164,9 +124,25 @@ class XAttention:
             raise ValueError(
                 f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
             )
-        mass = antidiagonal_mass_ref(q, k, self.block_size, self.stride, scale)
-        keep = cumulative_keep(mass, self.tau)
-        return BlockSelection.from_mask(keep, self.block_size, self.block_size, q.shape[2])
+        bs, n = self.block_size, q.shape[2]
+        if self._fast(q.device, n):
+            count, index = xattn_select(q, k, bs, self.stride, self.tau, scale)
+            return BlockSelection(count, index, bs, bs, n)
+        mass = antidiagonal_mass_ref(q, k, bs, self.stride, scale)
+        return BlockSelection.from_mask(cumulative_keep(mass, self.tau), bs, bs, n)
+
+    def _fast(self, device: torch.device, n: int) -> bool:
+        """The Triton path (see `_use_triton`); "auto" keeps the reference where it cannot run."""
+        if not _use_triton(self.impl, device):
+            return False
+        if supported(self.block_size, self.stride, n):
+            return True
+        if self.impl == "triton":
+            raise ValueError(
+                f"impl='triton' needs block_size / stride a power of two <= 128; got "
+                f"{self.block_size} / {self.stride}"
+            )
+        return False
 
 
 def main() -> None:

@@ -193,6 +193,7 @@ def test_registry_and_bad_fields():
         "tau": 0.9,
         "stride": 16,
         "block_size": 128,
+        "impl": "auto",
     }
     for bad in (-0.1, 1.01, math.inf, "0.9"):
         with pytest.raises(ValueError, match="tau must be"):
