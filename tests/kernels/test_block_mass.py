@@ -8,12 +8,8 @@ CUDA, in a fresh Python with TRITON_INTERPRET=1 (`test_interpreter_suite`) on sm
 from __future__ import annotations
 
 import math
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
+import interpreter_suite
 import pytest
 import torch
 from rbs_bench.kernels.block_mass import block_mass, block_mass_ref, causal_softmax_chunks
@@ -122,21 +118,9 @@ def test_kernel_matches_reference(n, block, hq, hkv, d, dtype):
 )
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "kernel_matches"]
-    res = subprocess.run(
-        [*cmd, str(Path(__file__).resolve())],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    tail = "\n".join(res.stdout.strip().splitlines()[-30:])
-    assert res.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", tail)
-    assert passed and int(passed.group(1)) >= 4, tail
+    rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel_matches", timeout=300)
+    assert rc == 0, tail
+    assert passed >= 4, tail
 
 
 @pytest.mark.gpu

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
+import interpreter_suite
 import pytest
 import torch
 from rbs_bench.kernels.block_stats import INTERPRET, triton_available
@@ -217,21 +213,9 @@ def test_impl_is_validated():
 )
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not gpu"]
-    res = subprocess.run(
-        [*cmd, str(Path(__file__).resolve())],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    tail = "\n".join(res.stdout.strip().splitlines()[-30:])
-    assert res.returncode == 0, tail
-    passed = re.search(r"(\d+) passed", tail)
-    assert passed and int(passed.group(1)) >= 10, tail
+    rc, tail, passed = interpreter_suite.run(__file__, "-m", "not gpu")
+    assert rc == 0, tail
+    assert passed >= 10, tail
 
 
 # ------------------------------------------------------------------------------- GPU, bf16, large
