@@ -7,6 +7,7 @@ SLURM array task, can rebuild them:  python -m rbs_bench.report results/runs/<ex
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -116,7 +117,8 @@ def plot_score_vs_density(overall: pd.DataFrame, by_task: pd.DataFrame, path: Pa
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, title="method (small dots: task x length)", title_fontsize=7)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp.png")
+    # per-writer temp name: array tasks finishing together each rebuild this plot
+    tmp = path.with_name(f".{path.name}.{os.uname().nodename}.{os.getpid()}.tmp.png")
     fig.savefig(tmp)
     plt.close(fig)
     tmp.replace(path)
