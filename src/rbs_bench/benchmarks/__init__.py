@@ -9,6 +9,7 @@ BENCHMARKS = {
     "ruler": "rbs_bench.benchmarks.ruler",
     "longbench_v2": "rbs_bench.benchmarks.longbench_v2",
     "infinitebench": "rbs_bench.benchmarks.infinitebench",
+    "videomme": "rbs_bench.benchmarks.videomme",
 }
 
 

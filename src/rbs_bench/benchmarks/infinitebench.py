@@ -33,8 +33,8 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
-# The sample type, middle truncation and data-source parsing are LongBench-v2's.
-from rbs_bench.benchmarks.longbench_v2 import Encoder, Sample, fit_middle, is_local, source
+# The sample type, middle truncation and data-source parsing are shared (benchmarks._text).
+from rbs_bench.benchmarks._text import Encoder, Sample, fit_middle, is_local, source
 
 # Bump the suffix whenever prompts, truncation or scorers change: it goes into every result row.
 VERSION = "infinitebench-88b3daa.rbs1"

@@ -24,31 +24,18 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
+
+# The sample type, middle truncation and data-source parsing are shared (benchmarks._text).
+from rbs_bench.benchmarks._text import Encoder, Sample, fit_middle, is_local, source
 
 # Bump the suffix whenever prompts, truncation or row order change: it goes into every result row.
 VERSION = "longbench_v2-2e00731.rbs1"
 
 HUB_ID = "THUDM/LongBench-v2"
-
-
-class Encoder(Protocol):
-    def encode(self, text: str) -> Sequence: ...
-
-
-@dataclass(frozen=True)
-class Sample:
-    task: str
-    index: int  # row position in the data, file order
-    prompt: str  # wrap(filled template, middle-truncated)
-    references: list[str]
-    num_tokens: int  # len(tokenizer.encode(prompt))
-    max_new_tokens: int
-    meta: dict = field(default_factory=dict)  # categories the tables split by
-    id: str = ""  # the row's id in the data set
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,66 +98,6 @@ def fill(template: str, row: dict, cot: str | None = None) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# Middle truncation on token ids (also used by infinitebench)
-
-
-def _decoder(tokenizer) -> Callable | None:
-    # The runner's encoder wraps the HF tokenizer as `.tokenizer`; a bare HF tokenizer has decode.
-    for obj in (tokenizer, getattr(tokenizer, "tokenizer", None)):
-        if callable(getattr(obj, "decode", None)):
-            return obj.decode
-    return None
-
-
-def _last_fit(lo: int, hi: int, fits: Callable[[int], bool]) -> int:
-    """The largest c in [lo, hi] with fits(c), fits being monotone decreasing and fits(lo)."""
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    return lo
-
-
-def cut_middle(text: str, ids: Sequence, keep: int, tokenizer: Encoder) -> str:
-    """`text` (encoded as `ids`) without its middle: the first keep//2 and the last
-    keep - keep//2 tokens, decoded (special tokens skipped), as upstream does.
-
-    A tokenizer without `decode` is cut on characters instead: the longest head and tail whose
-    own encodings hold that many tokens.
-    """
-    if keep >= len(ids):
-        return text
-    head, tail = keep // 2, keep - keep // 2
-    decode = _decoder(tokenizer)
-    if decode is not None:
-        return decode(list(ids[:head]) + list(ids[len(ids) - tail :]), skip_special_tokens=True)
-    count = lambda s: len(tokenizer.encode(s))
-    a = _last_fit(0, len(text), lambda c: count(text[:c]) <= head)
-    b = len(text) - _last_fit(0, len(text) - a, lambda c: count(text[len(text) - c :]) <= tail)
-    return text[:a] + text[b:]
-
-
-def fit_middle(
-    text: str, limit: int, tokenizer: Encoder, render: Callable[[str], str] | None = None
-) -> tuple[str, int]:
-    """(render(text cut in the middle), its token count), the count at most `limit`.
-
-    `render` adds what must not be cut (the chat template, an answer prefix). Cutting at a token
-    seam and re-encoding can merge tokens differently, so the result is re-counted and the cut
-    deepened by the excess until it fits.
-    """
-    render = render or (lambda t: t)
-    ids = tokenizer.encode(text)
-    keep = min(len(ids), limit - len(tokenizer.encode(render(""))))
-    while keep > 0 or keep == len(ids) == 0:  # an empty text needs no room
-        prompt = render(cut_middle(text, ids, keep, tokenizer))
-        n = len(tokenizer.encode(prompt))
-        if n <= limit:
-            return prompt, n
-        keep -= n - limit
-    raise ValueError(f"a limit of {limit} tokens leaves no room for the text around the cut")
-
-
-# ---------------------------------------------------------------------------------------------
 # Data
 
 
@@ -205,20 +132,6 @@ def check_row(row: Any, where: str) -> dict:
 
 def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
-
-
-def source(data: dict | None, default_hint: str) -> str:
-    """`data["dataset"]`, or ValueError naming benchmark.data.dataset."""
-    src = (data or {}).get("dataset")
-    if not src or not isinstance(src, str):
-        raise ValueError(f"benchmark.data.dataset is not set; give {default_hint}")
-    return src
-
-
-def is_local(src: str) -> bool:
-    """A path (existing, or written like one) rather than a hub id `owner/name`."""
-    path_like = src.startswith(("/", ".", "~")) or src.endswith((".json", ".jsonl"))
-    return path_like or src.count("/") != 1 or Path(src).expanduser().exists()
 
 
 def load_rows(data: dict | None) -> list[dict]:
