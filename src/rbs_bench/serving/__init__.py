@@ -1,0 +1,1 @@
+"""Serving integrations: sparse prefill inside inference engines (vLLM, the `vllm` extra)."""
