@@ -53,6 +53,12 @@ def run(cfg: DictConfig) -> None:
         validate(cfg)
         observations.run(cfg, HydraConfig.get().runtime.choices.get("experiment") or "adhoc")
         return
+    if cfg.get("timing") is not None:  # speed, memory, throughput, selector_time: timed requests
+        from rbs_bench.bench import ttft
+
+        validate(cfg)
+        ttft.run_experiment(cfg, HydraConfig.get().runtime.choices.get("experiment") or "adhoc")
+        return
     from rbs_bench import report
     from rbs_bench.loggers import make_logger
     from rbs_bench.runner import Session, experiment_dir, run_cell

@@ -30,7 +30,7 @@ class UserError(Exception):
 @dataclass
 class ModelCfg:
     name: str = MISSING
-    hf_id: str | None = None  # None: the embedded tiny model, built locally
+    hf_id: str | None = None  # None: an embedded model built locally (tiny_vl by name, else tiny)
     revision: str | None = None
     max_context: int = MISSING  # longest prompt + generation the model supports
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
@@ -103,6 +103,39 @@ class ObservationsCfg:
 
 
 @dataclass
+class TimingCfg:
+    """`+experiment=speed|memory|throughput|selector_time`: TTFT, prefill attention and memory of
+    each method inside a random-weight HF model (rbs_bench.bench.ttft). None: device default."""
+
+    model: str | None = None  # tiny | qwen3_30b_a3b; None: qwen3_30b_a3b on CUDA, tiny elsewhere
+    layers: int | None = None  # decoder layers; None: 4 (qwen3_30b_a3b) or the tiny model's 2
+    contexts: list[int] | None = None  # prompt tokens; None: 32K-128K on CUDA, 1K and 2K on a CPU
+    batches: list[int] = field(default_factory=lambda: [1])
+    batch_contexts: list[int] | None = None  # contexts of batches > 1; None: the device's default
+    batch_methods: list[str] | None = None  # methods of batches > 1; None: every method
+    methods: list[str] = field(
+        default_factory=lambda: [
+            "dense",
+            "rbs",
+            "flashprefill",
+            "xattn",
+            "flexprefill",
+            "minference",
+            "quest",
+            "centroid",
+            "full_l2",
+        ]
+    )
+    target: float = 0.05  # measured density each method is calibrated to on the input
+    warmup: int = 1  # untimed requests per method before the timed ones
+    repeats: int | None = None  # timed requests (median reported); None: 3 on CUDA, 1 on a CPU
+    sdpa_backend: str = "default"  # dense SDPA backend: default | flash | cudnn | efficient | math
+    seed: int = 0  # random weights and prompt tokens
+    out_dir: str | None = None  # None: <results_dir>/speed
+    time_budget_s: float | None = None  # start no new row after this; None: 450 on CUDA, no limit
+
+
+@dataclass
 class RunCfg:
     model: ModelCfg = MISSING
     method: Any = MISSING  # one of the generated method schemas
@@ -115,6 +148,7 @@ class RunCfg:
     executor: str = "auto"  # sparse executor: auto | reference | flex
     progress: bool = True
     observations: ObservationsCfg | None = None  # set by +experiment=observations
+    timing: TimingCfg | None = None  # set by +experiment=speed|memory|throughput|selector_time
 
 
 def method_schema(name: str) -> type:

@@ -1,0 +1,1081 @@
+"""Time to first token, prefill attention and memory of every method inside an HF model.
+
+    python -m rbs_bench.bench.ttft                    # this device's default run (below)
+    python -m rbs_bench.bench.ttft --methods dense rbs --contexts 131072 --out /tmp/ttft
+    python -m rbs_bench +experiment=speed             # or memory, throughput, selector_time
+
+Model. On CUDA, a Qwen3-30B-A3B-shaped MoE built from `QWEN3_30B_A3B` (the real model's config
+values) with random weights and `--layers` decoder layers (default 4 of 48), bf16. On a CPU, the
+embedded tiny Qwen3 (`rbs_bench.models.tiny`, 2 layers, fp32). Timing needs no trained weights: a
+prefill's cost depends on the shapes and on how many blocks each method keeps, and calibration
+fixes the latter on this input. Every table states the model and its layer count.
+
+Per context N (default 32K/64K/96K/128K on CUDA, 1K/2K on a CPU), largest first:
+1. Calibration. One dense prefill of the seeded random prompt captures every layer's post-RoPE
+   Q/K. Each method's knob is bisected to `--target` (5%) measured density over the captured
+   layers and heads (`rbs_bench.bench.attention.calibrate`, layers stacked on the batch axis). A
+   method that cannot reach it (at short N its forced blocks alone exceed 5%) keeps its closest
+   density, the knob's sparsest end, and is flagged (`target_reached` False). The same capture
+   gives each method's block statistics and selector workspace on one layer. The density that
+   the timed prefill measures can differ a little: its later layers see sparse layers' outputs.
+2. Timing, per method (dense first) and batch size: `--warmup` untimed requests, then `--repeats`
+   timed ones; the CSV holds their median. Batches > 1 run after every batch-1 row, at
+   `--batch-contexts`, with the batch-1 knob (also when read back from the CSV); each sequence
+   of a batch is selected and attended on its own.
+
+Columns (times in ms; CUDA events on a GPU, perf_counter on a CPU):
+- ttft_ms: request to first generated token on the host: prompt ids to the device, prefill
+  forward filling the KV cache with the LM head at the last position, greedy pick, the token
+  copied back: the prefill's own forward yields the first token, as vLLM's TTFT counts it.
+  decode_ms: the decode step that follows (one token through the cache), reported beside it.
+- attention_ms: sum over layers of the prefill attention calls (events around the attention
+  function: selector and sparse attention for a method, SDPA for dense); selector_ms: the selector
+  calls inside them; sparse_attention_ms = attention_ms - selector_ms.
+- density: kept / causal block pairs, mean over layers, heads and sequences of the timed prefill
+  (`PrefillRecorder`); calibration_density: the same on the captured dense activations.
+- peak_allocated_mib / peak_reserved_mib: torch.cuda.max_memory_allocated / max_memory_reserved
+  over this method's timed requests (cache emptied and peaks reset between methods); model_mib:
+  the weights. On a CPU: parameters and buffers plus the peak of one request's own allocations
+  (torch profiler memory events, on the first warm-up request); there is no reserved pool.
+- block_stats_mib: one layer's per-key-block summaries that the method's rule reads (centroid,
+  radius, beta, min/max box, mean-pooled keys), as its implementation builds them on this device;
+  empty for xattn and minference, whose estimates keep none. selector_workspace_mib: the peak of
+  one select() call on one layer beyond its inputs, less the selection it returns (selection_mib).
+- prompts_per_s = batch / TTFT, tokens_per_s = batch x N / TTFT; ttft_speedup and
+  attention_speedup: dense's time over the method's at the same N and batch.
+
+Outputs in --out (default results/speed): ttft_<device>.csv, one row per (model, batch, N,
+method, target), rewritten after each row; a rerun skips finished rows. speedup_<device>.png: the
+three panels (standalone attention from attention_<device>.csv, prefill attention inside the
+model, TTFT). With --time-budget-s the run starts no new row after that many seconds and says how
+to continue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+from torch import Tensor
+from tqdm import tqdm
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import sdpa_mask
+
+from rbs_bench import methods
+from rbs_bench.config import TimingCfg, UserError
+from rbs_bench.models.hf_attention import (
+    attention_modules,
+    install,
+    rbs_attention_forward,
+    uninstall,
+)
+from rbs_bench.records import write_atomic
+
+MiB = 2**20
+TIMED_IMPL = "rbs_timed"  # our attention function around rbs_sparse / SDPA, registered below
+_PROBE = "_rbs_timing_probe"  # attribute on each attention module
+MODELS = ("tiny", "qwen3_30b_a3b")
+SDPA_BACKENDS = ("default", "flash", "cudnn", "efficient", "math")
+CALIBRATION_TOL = 0.002  # absolute density error at which the bisection stops
+# The paper's prompt-throughput table compares these methods at batch 1 and 4.
+THROUGHPUT_METHODS = ["dense", "flashprefill", "minference", "rbs", "xattn", "flexprefill", "quest"]
+
+# Qwen3MoeConfig kwargs of Qwen/Qwen3-30B-A3B-Instruct-2507 (config.json on the Hugging Face hub;
+# the paper's Qwen3-30B-A3B-Instruct-2507-FP8 checkpoint has the same architecture). Only
+# num_hidden_layers is changed, by --layers.
+QWEN3_30B_A3B: dict = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 262144,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0},
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+    "initializer_range": 0.02,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
+# What an unset TimingCfg field means on each device.
+DEVICE_DEFAULTS = {
+    "cuda": {
+        "model": "qwen3_30b_a3b",
+        "contexts": [32768, 65536, 98304, 131072],
+        "batch_contexts": [32768, 65536, 131072],  # the paper's prompt-throughput contexts
+        "repeats": 3,
+        "time_budget_s": 450.0,
+    },
+    "cpu": {
+        "model": "tiny",
+        "contexts": [1024, 2048],
+        "batch_contexts": [1024],  # a CPU takes minutes per batch of four at 2K
+        "repeats": 1,  # a CPU's timings only show that the pipeline runs
+        "time_budget_s": None,
+    },
+}
+DEFAULT_LAYERS = {"qwen3_30b_a3b": 4}  # tiny: its own 2
+MODEL_DTYPES = {"qwen3_30b_a3b": "bfloat16", "tiny": "float32"}
+
+
+@dataclass
+class Settings:
+    """A resolved timing run: every field set, checked against the device and the registry."""
+
+    device: torch.device
+    model: str
+    layers: int
+    contexts: list[int]
+    batches: list[int]
+    batch_contexts: list[int]
+    batch_methods: list[str]
+    methods: list[str]
+    target: float
+    warmup: int
+    repeats: int
+    executor: str
+    sdpa_backend: str
+    seed: int
+    out: Path
+    time_budget_s: float | None
+    progress: bool = True
+
+    @property
+    def tag(self) -> str:
+        """The device part of the output file names: the GPU's name, or 'cpu'."""
+        if self.device.type == "cuda":
+            from rbs_bench.bench.attention import gpu_tag
+
+            return gpu_tag()
+        return "cpu"
+
+    @property
+    def csv(self) -> Path:
+        return self.out / f"ttft_{self.tag}.csv"
+
+    @property
+    def figure(self) -> Path:
+        return self.out / f"speedup_{self.tag}.png"
+
+
+def resolve(
+    tc, device: str = "auto", executor: str = "auto", out: Path | None = None, progress: bool = True
+) -> Settings:
+    """Settings from a TimingCfg (or an object with its fields); bad values raise UserError."""
+    from rbs_bench.execution import resolve_executor
+    from rbs_bench.runner import resolve_device
+
+    dev = resolve_device(device)
+    defaults = DEVICE_DEFAULTS["cuda" if dev.type == "cuda" else "cpu"]
+    pick = lambda name: defaults[name] if getattr(tc, name) is None else getattr(tc, name)
+    model = pick("model")
+    if model not in MODELS:
+        raise UserError(f"timing.model={model!r}; valid: {', '.join(MODELS)}")
+    if model == "qwen3_30b_a3b" and dev.type != "cuda":
+        raise UserError(
+            "timing.model=qwen3_30b_a3b needs a CUDA device (its 32K-128K prompts would take "
+            "hours on a CPU); use timing.model=tiny"
+        )
+    layers = tc.layers if tc.layers is not None else DEFAULT_LAYERS.get(model, _tiny_layers())
+    max_layers = QWEN3_30B_A3B["num_hidden_layers"] if model == "qwen3_30b_a3b" else 64
+    if not 1 <= layers <= max_layers:
+        raise UserError(f"timing.layers={layers}; use 1-{max_layers}")
+    contexts = sorted({int(n) for n in pick("contexts")}, reverse=True)
+    limit = _max_positions(model)
+    bad = [n for n in contexts if not 1 < n <= limit]
+    if bad:
+        raise UserError(f"timing.contexts {bad} outside 2-{limit} tokens for model {model}")
+    batches = sorted({int(b) for b in tc.batches})
+    if not batches or batches[0] < 1:
+        raise UserError(f"timing.batches={list(tc.batches)}; batch sizes must be >= 1")
+    names = list(dict.fromkeys(tc.methods))
+    batch_names = list(dict.fromkeys(tc.batch_methods)) if tc.batch_methods is not None else names
+    for name in names + batch_names:
+        try:
+            methods.method_class(name)
+        except methods.UnknownMethodError as e:
+            raise UserError(str(e)) from None
+    if not 0 < tc.target <= 1:
+        raise UserError(f"timing.target={tc.target}; a measured density in (0, 1], e.g. 0.05")
+    repeats = pick("repeats")
+    if tc.warmup < 0 or repeats < 1:
+        raise UserError(f"timing.warmup={tc.warmup}, repeats={repeats}: need warmup >= 0, >= 1")
+    if tc.sdpa_backend not in SDPA_BACKENDS:
+        raise UserError(
+            f"timing.sdpa_backend={tc.sdpa_backend!r}; valid: {', '.join(SDPA_BACKENDS)}"
+        )
+    try:
+        resolve_executor(executor, dev)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    batch_contexts = pick("batch_contexts")
+    batch_contexts = contexts if batch_contexts is None else [int(n) for n in batch_contexts]
+    return Settings(
+        device=dev,
+        model=model,
+        layers=int(layers),
+        contexts=contexts,
+        batches=batches,
+        batch_contexts=[n for n in contexts if n in batch_contexts],
+        batch_methods=[m for m in names if m in batch_names],
+        methods=names,
+        target=float(tc.target),
+        warmup=int(tc.warmup),
+        repeats=int(repeats),
+        executor=executor,
+        sdpa_backend=tc.sdpa_backend,
+        seed=int(tc.seed),
+        out=Path(out if out is not None else "results/speed"),
+        time_budget_s=pick("time_budget_s"),
+        progress=progress,
+    )
+
+
+def _tiny_layers() -> int:
+    from rbs_bench.models.tiny import TINY_CONFIG
+
+    return TINY_CONFIG["num_hidden_layers"]
+
+
+def _max_positions(model: str) -> int:
+    from rbs_bench.models.tiny import TINY_CONFIG
+
+    cfg = QWEN3_30B_A3B if model == "qwen3_30b_a3b" else TINY_CONFIG
+    return cfg["max_position_embeddings"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing inside the model: a clock, and an attention function and selector that report to it.
+
+
+class Clock:
+    """Paired timestamps: CUDA events on a GPU (read after one synchronize), else perf_counter."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else 1e3 * (end - start)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+@dataclass
+class Probe:
+    """Spans of one request's prefill attention and selector calls; optionally keeps each layer's
+    (query, key) for calibration."""
+
+    clock: Clock
+    spans: dict[str, list] = field(default_factory=lambda: {"attention": [], "selector": []})
+    capture: list | None = None
+
+    def reset(self) -> None:
+        for v in self.spans.values():
+            v.clear()
+
+    def span(self, kind: str, start) -> None:
+        self.spans[kind].append((start, self.clock.mark()))
+
+    def totals(self) -> dict:
+        """{attention_ms, selector_ms}: sums over the spans (call after the clock's sync)."""
+        return {f"{k}_ms": sum(self.clock.ms(a, b) for a, b in v) for k, v in self.spans.items()}
+
+
+def timed_attention_forward(
+    module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs
+):
+    """The `rbs_timed` attention function: `rbs_sparse` (SDPA for modules without a selector),
+    with the prefill calls (Lq == Lk > 1) timed into the module's probe."""
+    probe: Probe | None = getattr(module, _PROBE, None)
+    if probe is None or query.shape[2] != key.shape[2] or query.shape[2] == 1:
+        return rbs_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if probe.capture is not None:
+        probe.capture.append((query, key))  # [B, Hq, N, D], [B, Hkv, N, D] after RoPE
+    start = probe.clock.mark()
+    out = rbs_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    probe.span("attention", start)
+    return out
+
+
+def register_timed() -> None:
+    """Register `rbs_timed` with transformers (idempotent), with SDPA's mask function."""
+    AttentionInterface.register(TIMED_IMPL, timed_attention_forward)
+    AttentionMaskInterface.register(TIMED_IMPL, sdpa_mask)
+
+
+class TimedSelector:
+    """A selector whose select() calls are timed into a probe; every other attribute is the
+    wrapped selector's."""
+
+    def __init__(self, inner, probe: Probe):
+        self.inner, self.probe = inner, probe
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def select(self, q: Tensor, k: Tensor, scale: float | None = None):
+        start = self.probe.clock.mark()
+        sel = self.inner.select(q, k, scale=scale)
+        self.probe.span("selector", start)
+        return sel
+
+
+# ------------------------------------------------------------------------------------------------
+# The model and its prompts.
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    probe: Probe
+    device: torch.device
+    description: str  # states random weights and the layer count
+    dtype: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    model_mib: float
+
+
+def build_model(s: Settings, overrides: dict | None = None) -> Loaded:
+    """The random-weight model of `s` on its device, with `rbs_timed` attention and a probe on
+    every attention module. `overrides` change config fields (tests shrink the MoE with it)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from rbs_bench.models import tiny
+
+    register_timed()
+    torch.manual_seed(s.seed)
+    if s.model == "qwen3_30b_a3b":
+        cfg = Qwen3MoeConfig(
+            **{**QWEN3_30B_A3B, "num_hidden_layers": s.layers, **(overrides or {})}
+        )
+        dtype = getattr(torch, MODEL_DTYPES[s.model])
+        with torch.device(s.device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+        what = (
+            f"Qwen3-30B-A3B-shaped MoE (hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
+            f"{cfg.num_key_value_heads} heads of {cfg.head_dim}, {cfg.num_experts} experts top-"
+            f"{cfg.num_experts_per_tok}), random weights, {s.layers} of "
+            f"{QWEN3_30B_A3B['num_hidden_layers']} layers, bf16"
+        )
+    else:
+        cfg = tiny.tiny_config(num_hidden_layers=s.layers, **(overrides or {}))
+        dtype = getattr(torch, MODEL_DTYPES[s.model])
+        model = tiny.build_model(cfg).to(s.device)
+        what = f"tiny Qwen3 (rbs_bench.models.tiny), random weights, {s.layers} layers, fp32"
+    model.eval()
+    model.set_attn_implementation(TIMED_IMPL)
+    probe = Probe(Clock(s.device))
+    for m in attention_modules(model):
+        setattr(m, _PROBE, probe)
+    if s.device.type == "cuda":
+        torch.cuda.synchronize()
+        weights = torch.cuda.memory_allocated() / MiB
+    else:
+        weights = _tensor_bytes([*model.parameters(), *model.buffers()]) / MiB
+    return Loaded(
+        model,
+        probe,
+        s.device,
+        what,
+        str(dtype).removeprefix("torch."),
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.vocab_size,
+        weights,
+    )
+
+
+def prompts(s: Settings, n: int, vocab: int) -> Tensor:
+    """int64 [max batch, n] on the host: seeded random token ids; batch b uses the first b rows."""
+    g = torch.Generator().manual_seed(s.seed * 1_000_003 + n)
+    return torch.randint(0, vocab, (max(s.batches), n), generator=g)
+
+
+def sdpa_context(backend: str):
+    if backend == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    names = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    return sdpa_kernel(names[backend])
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurements.
+
+
+def request(lm: Loaded, ids: Tensor) -> dict:
+    """One request, ids [B, N] on the host: first generated token on the host, then one decode
+    step. Returns ttft_ms, decode_ms, attention_ms and selector_ms."""
+    probe, clock = lm.probe, lm.probe.clock
+    probe.reset()
+    t0 = clock.mark()
+    out = lm.model(input_ids=ids.to(lm.device), use_cache=True, logits_to_keep=1)
+    first = out.logits[:, -1].argmax(-1).cpu()  # greedy: the first generated token, on the host
+    t1 = clock.mark()
+    lm.model(
+        input_ids=first[:, None].to(lm.device),
+        past_key_values=out.past_key_values,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    t2 = clock.mark()
+    clock.sync()
+    return {"ttft_ms": clock.ms(t0, t1), "decode_ms": clock.ms(t1, t2), **probe.totals()}
+
+
+def capture_qk(lm: Loaded, ids: Tensor) -> tuple[Tensor, Tensor]:
+    """q [L, Hq, N, D], k [L, Hkv, N, D]: every layer's post-RoPE Q/K in a dense prefill of one
+    prompt ids [1, N], the layers stacked on the batch axis."""
+    lm.probe.capture = []
+    try:
+        with torch.inference_mode():
+            lm.model(input_ids=ids.to(lm.device), use_cache=False, logits_to_keep=1)
+        pairs, lm.probe.capture = lm.probe.capture, None
+        q = torch.cat([p[0] for p in pairs])
+        k = torch.cat([p[1] for p in pairs])
+    finally:
+        lm.probe.capture = None
+    return q, k
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors in a list, or in a dataclass's fields."""
+    if dataclasses.is_dataclass(obj):
+        obj = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    return sum(t.numel() * t.element_size() for t in obj if isinstance(t, Tensor))
+
+
+def cpu_peak_bytes(fn) -> tuple[object, int]:
+    """fn()'s result and the most CPU bytes it held allocated at one time (torch profiler memory
+    events; allocations made before the call do not count)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    with tempfile.TemporaryDirectory() as d:
+        trace = Path(d) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]"]
+    return out, max([0, *totals])
+
+
+def selector_memory(selector, q: Tensor, k: Tensor) -> tuple[float, float]:
+    """(workspace MiB beyond the selection, selection MiB) of one select() on q/k."""
+    if q.is_cuda:
+        from rbs_bench.bench.attention import selector_memory as cuda_selector_memory
+
+        return cuda_selector_memory(selector, q, k)
+    sel, peak = cpu_peak_bytes(lambda: selector.select(q, k))
+    index = _tensor_bytes(sel)
+    return (peak - index) / MiB, index / MiB
+
+
+def block_statistics(selector, k: Tensor) -> list[tuple[str, Tensor]] | None:
+    """The per-key-block summaries the method's rule reads for one layer's keys k [B, Hkv, N, D],
+    built as its implementation builds them on k's device; None for a method whose estimate keeps
+    no per-block key summary (xattn's strided sums, minference's last-query attention)."""
+    from rbs_bench.baselines.flexprefill import block_means
+    from rbs_bench.baselines.quest import box_stats_ref
+    from rbs_bench.kernels.block_stats import (
+        block_stats,
+        block_stats_ref,
+        rescue_beta,
+        rescue_beta_ref,
+        triton_available,
+    )
+    from rbs_bench.kernels.quest_select import box_stats
+
+    name, bs = selector.name, getattr(selector, "block_size", 128)
+    fast = k.is_cuda and triton_available() and getattr(selector, "impl", "torch") != "torch"
+    if name in ("centroid", "flashprefill", "full_l2", "rbs"):
+        centroid, radius = (block_stats if fast else block_stats_ref)(k, bs)
+        parts = [("centroid", centroid)]
+        if name in ("full_l2", "rbs"):
+            parts.append(("radius", radius))
+        if name == "rbs":
+            parts.append(("beta", (rescue_beta if fast else rescue_beta_ref)(radius)))
+        return parts
+    if name == "quest":
+        kmin, kmax = (box_stats if fast else box_stats_ref)(k, bs)
+        return [("min", kmin), ("max", kmax)]
+    if name == "flexprefill":
+        return [("mean-pooled key", block_means(k, bs))]
+    return None
+
+
+def describe_stats(parts: list[tuple[str, Tensor]]) -> str:
+    """What each key block keeps, e.g. 'centroid 128 x fp32 + radius fp32'."""
+    out = []
+    for name, t in parts:
+        dtype = str(t.dtype).removeprefix("torch.").replace("float", "fp").replace("bfp", "bf")
+        width = t.shape[-1] if t.dim() == 4 else None  # [B, H, M, D] vectors, [B, H, M] scalars
+        out.append(f"{name} {width} x {dtype}" if width else f"{name} {dtype}")
+    return " + ".join(out)
+
+
+@dataclass
+class Calibrated:
+    """One method at one context: its selector fields and what calibration and the capture gave."""
+
+    fields: dict
+    knob: float | None
+    calibration_density: float
+    target_reached: bool
+    block_stats_mib: float | None = None
+    block_stats: str | None = None
+    selector_workspace_mib: float | None = None
+    selection_mib: float | None = None
+
+
+def calibrate_to(name: str, q: Tensor, k: Tensor, target: float):
+    """(selector, density) of `name` calibrated to `target` on q/k (layers on the batch axis).
+
+    When the knob's sparsest end already exceeds the target (the forced blocks alone do), that
+    end is the closest reachable selection and the bisection is skipped."""
+    from rbs_bench.bench.attention import calibrate
+
+    base = methods.build(name)
+    lo, hi = getattr(base, "knob_range", (1e-4, 1e3))  # as attention.calibrate searches
+    sparsest = base.with_knob(hi if base.knob_direction < 0 else lo)
+    floor = sparsest.select(q, k).density()
+    if floor > target + CALIBRATION_TOL:
+        return sparsest, floor
+    return calibrate(name, q, k, target, tol=CALIBRATION_TOL)
+
+
+def calibrate_methods(
+    s: Settings, lm: Loaded, ids: Tensor, names: list[str], measure: set[str]
+) -> dict[str, Calibrated]:
+    """Capture the dense prefill's Q/K once; calibrate each method in `names` to the target and,
+    for those in `measure`, take block statistics and selector workspace on the first layer."""
+    q, k = capture_qk(lm, ids)
+    out = {}
+    try:
+        for name in names:
+            try:
+                out[name] = _calibrate_one(s, name, q, k, name in measure)
+            except (KeyboardInterrupt, UserError):
+                raise
+            except Exception as e:  # e.g. out of memory: that method's rows fail, not the run
+                tqdm.write(f"ttft: calibrating {name}: {type(e).__name__}: {e}", file=sys.stderr)
+                _release(lm.device)
+    finally:
+        del q, k
+        _release(lm.device)
+    return out
+
+
+def knob_value(selector) -> float | None:
+    """The value of the selector's calibration knob (rbs: the scale s of its default alphas)."""
+    value = getattr(selector, selector.knob, None)
+    if value is None and selector.name == "rbs":
+        from rbs_bench.methods.rbs import ALPHA_BASE
+
+        value = selector.alpha_base / ALPHA_BASE
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _calibrate_one(s: Settings, name: str, q: Tensor, k: Tensor, measure: bool) -> Calibrated:
+    selector, density = calibrate_to(name, q, k, s.target)
+    cal = Calibrated(
+        fields=selector.fields(),
+        knob=knob_value(selector),
+        calibration_density=float(density),
+        target_reached=abs(density - s.target) <= CALIBRATION_TOL,
+    )
+    if measure:
+        q1, k1 = q[:1], k[:1]
+        parts = block_statistics(selector, k1)
+        if parts is not None:
+            cal.block_stats_mib = _tensor_bytes([t for _, t in parts]) / MiB
+            cal.block_stats = describe_stats(parts)
+            del parts
+        cal.selector_workspace_mib, cal.selection_mib = selector_memory(selector, q1, k1)
+    return cal
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, cal: Calibrated | None) -> dict:
+    """Warm-up and timed requests of one method on ids [B, N]; the row's measured columns."""
+    selector = None if name == "dense" else methods.build(name, **cal.fields)
+    recorder = None
+    if selector is not None:
+        recorder = install(lm.model, TimedSelector(selector, lm.probe), s.executor)
+        recorder.timing = False  # no host syncs inside the prefill; the probe's events time it
+        lm.model.set_attn_implementation(TIMED_IMPL)
+    cuda = lm.device.type == "cuda"
+    try:
+        with torch.inference_mode(), sdpa_context(s.sdpa_backend):
+            extra = None  # CPU: the request's peak allocation, from a profiled warm-up request
+            for i in range(s.warmup):
+                if cuda or i:
+                    request(lm, ids)
+                else:
+                    _, extra = cpu_peak_bytes(lambda: request(lm, ids))
+            _release(lm.device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            runs = []
+            for _ in range(s.repeats):
+                if recorder is not None:
+                    recorder.reset()
+                runs.append(request(lm, ids))
+            density = recorder.summary()["density_mean"] if recorder is not None else 1.0
+            if cuda:
+                peak = torch.cuda.max_memory_allocated() / MiB
+                reserved = torch.cuda.max_memory_reserved() / MiB
+            else:
+                if extra is None:
+                    _, extra = cpu_peak_bytes(lambda: request(lm, ids))
+                peak, reserved = lm.model_mib + extra / MiB, math.nan
+    finally:
+        if selector is not None:
+            uninstall(lm.model)
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    b, n = ids.shape
+    ttft = [r["ttft_ms"] for r in runs]
+    return {
+        "density": float(density),
+        "ttft_ms": med["ttft_ms"],
+        "ttft_ms_min": min(ttft),
+        "ttft_ms_max": max(ttft),
+        "decode_ms": med["decode_ms"],
+        "attention_ms": med["attention_ms"],
+        "selector_ms": med["selector_ms"],
+        "sparse_attention_ms": med["attention_ms"] - med["selector_ms"],
+        "prompts_per_s": b / (med["ttft_ms"] / 1e3),
+        "tokens_per_s": b * n / (med["ttft_ms"] / 1e3),
+        "peak_allocated_mib": peak,
+        "peak_reserved_mib": reserved,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# The run: plan, resume, calibrate, time, write.
+
+KEY = ("model", "layers", "dtype", "batch", "n", "method", "target")
+
+
+def row_key(r: dict) -> tuple:
+    return tuple(
+        float(r[k])
+        if k == "target"
+        else (int(r[k]) if k in ("layers", "batch", "n") else str(r[k]))
+        for k in KEY
+    )
+
+
+def plan(s: Settings) -> list[tuple[int, int, str]]:
+    """(batch, N, method) in run order: every batch-1 row first (largest N first, dense first in
+    each N), then the larger batches."""
+    order = lambda names: sorted(names, key=lambda m: (m != "dense", s.methods.index(m)))
+    out = []
+    for b in s.batches:
+        ns, names = (s.contexts, s.methods) if b == 1 else (s.batch_contexts, s.batch_methods)
+        out += [(b, n, m) for n in ns for m in order(names)]
+    return out
+
+
+def derive(df: pd.DataFrame) -> pd.DataFrame:
+    """Add ttft_speedup and attention_speedup: dense's time over the row's, same model, batch, N."""
+    df = df.drop(columns=["ttft_speedup", "attention_speedup"], errors="ignore")
+    if df.empty:
+        return df
+    keys = ["model", "layers", "dtype", "batch", "n"]
+    ok = df["status"] == "ok"
+    dense = df[ok & (df["method"] == "dense")].drop_duplicates(keys, keep="last")
+    dense = dense[keys + ["ttft_ms", "attention_ms"]].rename(
+        columns={"ttft_ms": "_dense_ttft", "attention_ms": "_dense_attn"}
+    )
+    df = df.merge(dense, on=keys, how="left")
+    df["ttft_speedup"] = df["_dense_ttft"] / df["ttft_ms"]
+    df["attention_speedup"] = df["_dense_attn"] / df["attention_ms"]
+    return df.drop(columns=["_dense_ttft", "_dense_attn"])
+
+
+def load_rows(csv: Path) -> list[dict]:
+    """The CSV's rows, less the derived columns (recomputed on every write)."""
+    if not csv.exists():
+        return []
+    df = pd.read_csv(csv).drop(columns=["ttft_speedup", "attention_speedup"], errors="ignore")
+    return df.to_dict("records")
+
+
+def as_bool(value) -> bool:
+    """A CSV cell written from a bool ('True'/'False', or a parsed bool)."""
+    return str(value).strip().lower() == "true"
+
+
+def write_rows(csv: Path, rows: list[dict]) -> pd.DataFrame:
+    df = derive(pd.DataFrame(rows))
+    write_atomic(csv, df.to_csv(index=False))
+    return df
+
+
+def _versions() -> dict:
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = ""
+    return {
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "transformers": transformers.__version__,
+    }
+
+
+def _known(rows: list[dict], s: Settings, lm: Loaded) -> dict[tuple[int, str], Calibrated]:
+    """Calibrations recorded by earlier rows of this model and target (batch 1 rows preferred)."""
+    out = {}
+    for r in sorted(rows, key=lambda r: -int(r["batch"])):  # batch 1 last: it wins
+        if (
+            r["method"] == "dense"
+            or r["model"] != s.model
+            or int(r["layers"]) != s.layers
+            or r["dtype"] != lm.dtype
+            or float(r["target"]) != s.target
+            or not isinstance(r.get("fields"), str)
+        ):
+            continue
+        out[(int(r["n"]), r["method"])] = Calibrated(
+            fields=json.loads(r["fields"]),
+            knob=None if pd.isna(r.get("knob")) else float(r["knob"]),
+            calibration_density=float(r["calibration_density"]),
+            target_reached=as_bool(r["target_reached"]),
+        )
+    return out
+
+
+def run(s: Settings) -> pd.DataFrame:
+    """Every pending row of the plan; returns the whole CSV (old rows included) as a frame."""
+    t_start = time.perf_counter()
+    run_id = time.strftime("%Y-%m-%dT%H:%M:%S")  # rows of one process share it
+    s.out.mkdir(parents=True, exist_ok=True)
+    rows = load_rows(s.csv)
+    done = {row_key(r) for r in rows}
+    common = {"model": s.model, "layers": s.layers, "dtype": MODEL_DTYPES[s.model]}
+
+    def key(b, n, m):
+        return row_key({**common, "batch": b, "n": n, "method": m, "target": _target(s, m)})
+
+    pending = [(b, n, m) for b, n, m in plan(s) if key(b, n, m) not in done]
+    print(
+        f"ttft: {s.model} with {s.layers} layers on {_device_name(s.device)}: {len(pending)} rows "
+        f"to run ({len(plan(s)) - len(pending)} already in {s.csv})",
+        flush=True,
+    )
+    if not pending:
+        df = write_rows(s.csv, rows) if rows else pd.DataFrame()
+        if not df.empty and not s.figure.exists():
+            _plot(s, df)
+        return df
+    from rbs_bench.execution import resolve_executor
+
+    versions = _versions()
+    lm = build_model(s)
+    cals = _known(rows, s, lm)
+    tried = set(cals)  # (N, method) calibrated already, or attempted in this run
+    failed, stopped = [], False
+    bar = tqdm(
+        total=len(pending), desc="ttft", unit="row", disable=not s.progress, dynamic_ncols=True
+    )
+    prompt_cache: dict[int, Tensor] = {}
+    for b, n, name in pending:
+        if s.time_budget_s is not None and time.perf_counter() - t_start > s.time_budget_s:
+            stopped = True
+            break
+        if n not in prompt_cache:
+            prompt_cache = {n: prompts(s, n, lm.vocab)}  # one context at a time
+        ids = prompt_cache[n][:b]
+        if name != "dense" and (n, name) not in tried:
+            # one capture calibrates every method still pending at this N
+            names = [m for _, nn, m in pending if nn == n and m != "dense" and (n, m) not in tried]
+            names = list(dict.fromkeys(names))
+            measure = {m for bb, nn, m in pending if nn == n and bb == 1}
+            bar.set_postfix_str(f"calibrating at N={n}")
+            got = calibrate_methods(s, lm, prompt_cache[n][:1], names, measure)
+            cals.update({(n, m): c for m, c in got.items()})
+            tried.update((n, m) for m in names)
+        cal = cals.get((n, name))
+        if name != "dense" and cal is None:
+            failed.append(f"b={b} N={n} {name}: not calibrated (see the error above)")
+            bar.update()
+            continue
+        t0 = time.perf_counter()
+        bar.set_postfix_str(f"b={b} N={n} {name}")
+        row = {**common, "device": _device_name(lm.device), "model_desc": lm.description}
+        row.update(heads=lm.heads, kv_heads=lm.kv_heads, head_dim=lm.head_dim)
+        row.update(batch=b, n=n, method=name, target=_target(s, name))
+        row.update(_cal_columns(cal, b))
+        try:
+            row.update(status="ok", **time_row(s, lm, ids, name, cal))
+        except torch.cuda.OutOfMemoryError:
+            row.update(status="oom")
+            _release(lm.device)
+        except (KeyboardInterrupt, UserError):
+            raise
+        except Exception as e:  # one method failing must not lose the others' rows
+            failed.append(f"b={b} N={n} {name}: {type(e).__name__}: {e}")
+            tqdm.write(f"ttft: {failed[-1]}", file=sys.stderr)
+            _release(lm.device)
+            bar.update()
+            continue
+        row.update(
+            model_mib=lm.model_mib,
+            executor=resolve_executor(s.executor, s.device) if name != "dense" else "sdpa",
+            sdpa_backend=s.sdpa_backend,
+            knob_name=methods.method_class(name).knob or "",
+            experts_impl=_experts_impl(lm.model.config),
+            warmup=s.warmup,
+            repeats=s.repeats,
+            **versions,
+            run=run_id,
+            seconds=round(time.perf_counter() - t0, 2),
+        )
+        rows.append(row)
+        df = write_rows(s.csv, rows)
+        tqdm.write(_row_line(df.iloc[-1]))
+        bar.update()
+    bar.close()
+    df = write_rows(s.csv, rows) if rows else pd.DataFrame()
+    if not df.empty:
+        _plot(s, df)
+        print(f"wrote {s.csv} and {s.figure}")
+    finished = {row_key(r) for r in rows}
+    left = sum(1 for p in pending if key(*p) not in finished)
+    if stopped:
+        print(
+            f"ttft: time budget of {s.time_budget_s:.0f} s reached with {left} rows left; run the "
+            "same command again to continue (finished rows are skipped)",
+            flush=True,
+        )
+    if failed:
+        print(
+            f"ttft: {len(failed)} rows failed (rerun to retry):\n  " + "\n  ".join(failed),
+            file=sys.stderr,
+        )
+    return df
+
+
+def _plot(s: Settings, df: pd.DataFrame) -> None:
+    """The three-panel figure of this run's setting (the CSV may hold others)."""
+    from rbs_bench.bench import timing_tables
+
+    same = (df["model"] == s.model) & (df["layers"] == s.layers)
+    same &= (df["dtype"] == MODEL_DTYPES[s.model]) & (
+        (df["method"] == "dense") | (df["target"] == s.target)
+    )
+    standalone = timing_tables.standalone_rows(s.out, s.tag, s.target)
+    timing_tables.plot_speedup(df[same], standalone, s.figure)
+
+
+def _target(s: Settings, name: str) -> float:
+    return 1.0 if name == "dense" else s.target
+
+
+def _cal_columns(cal: Calibrated | None, batch: int) -> dict:
+    """The calibration's columns; selector-only measures belong to batch-1 rows."""
+    if cal is None:  # dense
+        return {"fields": "{}", "calibration_density": 1.0, "target_reached": True}
+    out = {
+        "fields": json.dumps(cal.fields, sort_keys=True),
+        "knob": cal.knob,
+        "block_size": cal.fields.get("block_size"),
+        "calibration_density": cal.calibration_density,
+        "target_reached": cal.target_reached,
+    }
+    if batch == 1:
+        out.update(
+            block_stats_mib=cal.block_stats_mib,
+            block_stats=cal.block_stats,
+            selector_workspace_mib=cal.selector_workspace_mib,
+            selection_mib=cal.selection_mib,
+        )
+    return out
+
+
+def _experts_impl(config) -> str:
+    """transformers' MoE experts implementation (grouped_mm, eager, ...); '' without experts."""
+    if not hasattr(config, "num_experts"):
+        return ""
+    return str(getattr(config, "_experts_implementation", "") or "")
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _row_line(r) -> str:
+    if r["status"] != "ok":
+        return f"b={r['batch']} N={r['n']:>6} {r['method']:12s} {r['status']}"
+    flag = "" if as_bool(r["target_reached"]) else " (target not reached)"
+    speed = ""
+    if not pd.isna(r.get("ttft_speedup")):
+        speed = f"  x{r['attention_speedup']:.2f} attn  x{r['ttft_speedup']:.2f} TTFT"
+    return (
+        f"b={r['batch']} N={r['n']:>6} {r['method']:12s} density {r['density']:.4f}{flag}  "
+        f"TTFT {r['ttft_ms']:9.2f} ms  attn {r['attention_ms']:9.2f} ms  "
+        f"sel {r['selector_ms']:7.2f} ms  peak {r['peak_allocated_mib']:9.1f} MiB{speed}"
+    )
+
+
+def summary_markdown(df: pd.DataFrame) -> str:
+    """Batch-1 speedups over dense per method and context, as a Markdown table."""
+    if df.empty:
+        return ""
+    one = df[(df["batch"] == 1) & (df["status"] == "ok") & (df["method"] != "dense")]
+    ns = sorted(one["n"].unique())
+    cells = {}
+    for _, r in one.iterrows():
+        flag = "" if as_bool(r["target_reached"]) else " *"
+        cells[(r["method"], r["n"])] = (
+            f"{r['attention_speedup']:.2f}x / {r['ttft_speedup']:.2f}x{flag}"
+        )
+    lines = ["| method | " + " | ".join(f"N={n}" for n in ns) + " |"]
+    lines.append("|---|" + "---:|" * len(ns))
+    for m in dict.fromkeys(one["method"]):
+        lines.append(f"| {m} | " + " | ".join(cells.get((m, n), "–") for n in ns) + " |")
+    note = "Prefill-attention / TTFT speedup over dense at batch 1; * target density not reached."
+    return "\n".join(lines) + "\n\n" + note + "\n"
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry points.
+
+
+def run_experiment(cfg, experiment: str) -> list[Path]:
+    """`python -m rbs_bench +experiment=<speed|memory|throughput|selector_time>`: run the pending
+    rows, then write the experiment's tables (all four for another name) to <results_dir>/tables."""
+    from rbs_bench.bench import timing_tables
+
+    if cfg.model.name != "tiny":
+        raise UserError(
+            f"model={cfg.model.name} is not used by the timing experiments: they build a "
+            "random-weight model; choose it with timing.model=tiny|qwen3_30b_a3b"
+        )
+    tc = cfg.timing
+    out = Path(tc.out_dir) if tc.out_dir else Path(cfg.results_dir) / "speed"
+    s = resolve(tc, cfg.device, cfg.executor, out, progress=cfg.progress)
+    df = run(s)
+    if df.empty:
+        raise UserError("no rows were timed; see the errors above")
+    names = [experiment] if experiment in timing_tables.EXPERIMENTS else timing_tables.EXPERIMENTS
+    paths = timing_tables.build_tables(
+        s.csv, Path(cfg.results_dir), Path(cfg.results_dir) / "tables", names
+    )
+    for p in paths:
+        if p.suffix == ".md":
+            print(f"\n{p}:\n{p.read_text()}")
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = TimingCfg()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=MODELS, help="default: qwen3_30b_a3b on CUDA, else tiny")
+    ap.add_argument("--layers", type=int, help="decoder layers (default 4; tiny: 2)")
+    ap.add_argument("--contexts", type=int, nargs="+", help="default 32K-128K on CUDA, 1K 2K")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    ap.add_argument(
+        "--batch-contexts",
+        type=int,
+        nargs="+",
+        help="contexts of batches > 1 (default 32K 64K 128K on CUDA, 1K on a CPU)",
+    )
+    ap.add_argument("--batch-methods", nargs="+", default=THROUGHPUT_METHODS)
+    ap.add_argument("--methods", nargs="+", default=d.methods)
+    ap.add_argument("--target", type=float, default=d.target)
+    ap.add_argument("--warmup", type=int, default=d.warmup)
+    ap.add_argument("--repeats", type=int, help="timed requests per row (default 3; CPU 1)")
+    ap.add_argument("--executor", default="auto")
+    ap.add_argument("--sdpa-backend", default=d.sdpa_backend, choices=SDPA_BACKENDS)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--out", type=Path, default=Path("results/speed"))
+    ap.add_argument(
+        "--time-budget-s",
+        type=float,
+        help="start no new row after this many seconds (default 450 on CUDA)",
+    )
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args(argv)
+    tc = TimingCfg(
+        model=args.model,
+        layers=args.layers,
+        contexts=args.contexts,
+        batches=args.batches,
+        batch_contexts=args.batch_contexts,
+        batch_methods=args.batch_methods,
+        methods=args.methods,
+        target=args.target,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        sdpa_backend=args.sdpa_backend,
+        seed=args.seed,
+        time_budget_s=args.time_budget_s,
+    )
+    try:
+        s = resolve(tc, args.device, args.executor, args.out, progress=not args.no_progress)
+        df = run(s)
+    except UserError as e:
+        print(f"rbs-bench: error: {e}", file=sys.stderr)
+        return 2
+    print(summary_markdown(df))
+    return 0 if not df.empty else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
