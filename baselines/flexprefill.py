@@ -42,6 +42,16 @@ flex_prefill_attention.py::get_active_blocks):
 - GQA without repeating K/V (query head h reads KV head h // group) and batch > 1 are supported;
   upstream asserts batch 1 and loops over query-aware heads in Python.
 - Ties are broken by position (stable sorts), so a larger gamma keeps a superset.
+
+Field `impl` picks the code, as for xattn and the RBS family: "torch" the PyTorch reference
+(kernels/flexprefill_select.py, `flexprefill_select_ref`; fp64 coverage sums), "triton" its Triton
+path (`flexprefill_select`: the last-queries estimate without a [B, H, B, N] probability tensor, a
+radix select for the budgets and the pooled coverage instead of sorts, one kernel composing and
+compacting the blocks; upstream runs these steps as PyTorch ops, with a Python loop over the
+query-aware heads), on CUDA or under TRITON_INTERPRET=1; "auto" (the default) means "triton" on
+CUDA when Triton is installed and block_size <= 128, else "torch". Both give the same selection up
+to entries whose running sum sits within rounding of a coverage target, blocks whose pooled masses
+tie within rounding, and heads whose distance sits within rounding of tau.
 """
 
 from __future__ import annotations
@@ -51,69 +61,32 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from rbs_bench.kernels.vertical_slash_attn import vertical_slash_estimate
+from rbs_bench.kernels.flexprefill_select import (
+    FlexPrefillEstimate,
+    block_means,
+    block_sums,
+    flexprefill_estimate,
+    flexprefill_estimate_ref,
+    flexprefill_select,
+    flexprefill_select_ref,
+    sqrt_jsd,
+    supported,
+)
+from rbs_bench.kernels.vertical_slash_attn import coverage_count, top_mask
 from torch import Tensor
 
-from rbs_bench.methods.selection import BlockSelection, num_blocks
+from rbs_bench.methods.rbs import _check_impl, _use_triton
+from rbs_bench.methods.selection import BlockSelection
 
-
-def coverage_count(p: Tensor, target) -> Tensor:
-    """int64 [...]: size of the smallest set of entries of p (last dim, largest first) whose sum
-    reaches `target` (float or tensor broadcastable to [...]); every entry when none does."""
-    cum = torch.sort(p, dim=-1, descending=True).values.double().cumsum(-1)
-    if isinstance(target, Tensor):
-        target = target[..., None]
-    return ((cum < target).sum(-1) + 1).clamp(max=p.shape[-1])
-
-
-def top_mask(scores: Tensor, count: Tensor) -> Tensor:
-    """bool like scores: the `count[...]` largest entries of the last dim (ties: lower index)."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
-    rank_ok = torch.arange(scores.shape[-1], device=scores.device) < count[..., None]
-    return torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, order, rank_ok)
-
-
-def block_means(x: Tensor, block: int) -> Tensor:
-    """fp32 [B, H, M, D]: mean of each block of tokens (a partial last block over its real tokens).
-
-    Sums accumulate in fp32 without an fp32 copy of x.
-    """
-    n = x.shape[2]
-    full, tail = divmod(n, block)
-    parts = []
-    if full:
-        body = x[:, :, : full * block].unflatten(2, (full, block))
-        parts.append(body.sum(3, dtype=torch.float32) / block)
-    if tail:
-        parts.append(x[:, :, full * block :].sum(2, keepdim=True, dtype=torch.float32) / tail)
-    return torch.cat(parts, 2)
-
-
-def block_sums(x: Tensor, block: int) -> Tensor:
-    """[..., M]: sums over consecutive blocks of the last dim (the last block may be partial)."""
-    n = x.shape[-1]
-    return F.pad(x, (0, num_blocks(n, block) * block - n)).unflatten(-1, (-1, block)).sum(-1)
-
-
-def sqrt_jsd(p: Tensor, q: Tensor) -> Tensor:
-    """sqrt of the Jensen-Shannon divergence (natural log) over the last dim; 0 log 0 = 0."""
-    m = (p + q) / 2
-    kl_p = (torch.xlogy(p, p) - torch.xlogy(p, m)).sum(-1)
-    kl_q = (torch.xlogy(q, q) - torch.xlogy(q, m)).sum(-1)
-    return (0.5 * (kl_p + kl_q)).clamp(min=0).sqrt()
-
-
-@dataclass(frozen=True)
-class FlexPrefillEstimate:
-    """What FlexPrefill decides per (batch, query head) before building the block mask."""
-
-    vertical: Tensor  # fp32 [B, H, M]  pooled column mass of the last B queries (sums to 1)
-    slash: Tensor  # fp32 [B, H, M]  pooled diagonal mass, offset block o // B (sums to 1)
-    n_vertical: Tensor  # int64 [B, H]  vertical blocks to keep
-    n_slash: Tensor  # int64 [B, H]  slash blocks to keep
-    distance: Tensor  # fp32 [B, H]  sqrt(JSD(pooled estimate, vertical))
-    query_aware: Tensor  # bool [B, H]  distance < tau
+__all__ = [
+    "FlexPrefill",
+    "FlexPrefillEstimate",
+    "block_means",
+    "block_sums",
+    "coverage_count",
+    "sqrt_jsd",
+    "top_mask",
+]
 
 
 @dataclass(frozen=True)
@@ -125,6 +98,7 @@ class FlexPrefill:
     min_budget: int = 1024
     max_budget: int | None = None
     block_size: int = 128
+    impl: str = "auto"
 
     name = "flexprefill"
     knob = "gamma"
@@ -153,6 +127,7 @@ class FlexPrefill:
                 f"max_budget must be null or an integer >= min_budget ({self.min_budget}) and "
                 f">= 1 (tokens), got {self.max_budget!r}"
             )
+        _check_impl(self.impl)
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -166,33 +141,14 @@ class FlexPrefill:
         bs = self.block_size
         return n <= max(2 * bs, math.ceil(self.min_budget / bs) * bs)
 
+    def _rule(self) -> tuple:
+        return (self.gamma, self.tau, self.min_budget, self.max_budget, self.block_size)
+
     def estimate(self, q: Tensor, k: Tensor, scale: float | None = None) -> FlexPrefillEstimate:
-        """Steps 1-4 of the rule; needs N > 2 * block_size (see `runs_dense`)."""
+        """Steps 1-4 of the rule; needs N > block_size (see `runs_dense`)."""
         _check_qk(q, k)
-        b, hq, n, d = q.shape
-        bs, m = self.block_size, num_blocks(n, self.block_size)
-        if n <= bs:
-            raise ValueError(f"the estimate needs N > block_size ({bs}), got N={n}")
-        scale = 1.0 / math.sqrt(d) if scale is None else scale
-        vertical, slash = vertical_slash_estimate(q, k, bs, scale)  # fp32 [B, Hq, N], sums to B
-        vertical, slash = vertical / bs, slash / bs
-
-        lo = math.ceil(self.min_budget / bs)
-        hi = m if self.max_budget is None else min(m, math.ceil(self.max_budget / bs))
-        n_v = (coverage_count(vertical, self.gamma) // bs + 1).clamp(lo, hi)
-        n_s = (coverage_count(slash, self.gamma) // bs + 1).clamp(lo, hi)
-        vertical, slash = block_sums(vertical, bs), block_sums(slash, bs)  # [B, Hq, M]
-
-        hkv = k.shape[1]
-        k_bar = block_means(k, bs)  # [B, Hkv, M, D]
-        q_last = q[:, :, n - bs :].mean(2, dtype=torch.float32).view(b, hkv, hq // hkv, d)
-        logits = torch.einsum("bkgd,bkmd->bkgm", q_last, k_bar).reshape(b, hq, m) * scale
-        est = torch.softmax(logits, dim=-1)
-        dist = sqrt_jsd(est, vertical)
-        query_aware = dist < self.tau
-        floor = torch.full_like(n_v, min(lo, hi))
-        n_v, n_s = torch.where(query_aware, floor, n_v), torch.where(query_aware, floor, n_s)
-        return FlexPrefillEstimate(vertical, slash, n_v, n_s, dist, query_aware)
+        run = flexprefill_estimate if self._fast(q) else flexprefill_estimate_ref
+        return run(q, k, *self._rule(), scale)
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         """q [B, Hq, N, D], k [B, Hkv, N, D] -> kept key blocks per query head."""
@@ -201,38 +157,24 @@ class FlexPrefill:
         bs = self.block_size
         if self.runs_dense(n):
             return BlockSelection.full(b, hq, n, bs, q.device)
-        m = num_blocks(n, bs)
-        est = self.estimate(q, k, scale)
-
-        # the first key block and the diagonal are forced; at least one of each is kept
-        vertical, slash = est.vertical.clone(), est.slash.clone()
-        vertical[..., 0] = slash[..., 0] = float("inf")
-        keep_v = top_mask(vertical, est.n_vertical.clamp(min=1))  # [B, Hq, M] key blocks j
-        keep_s = top_mask(slash, est.n_slash.clamp(min=1))  # [B, Hq, M] offset blocks s
-        i = torch.arange(m, device=q.device)
-        diff = i[:, None] - i[None, :]  # [M, M] = i - j
-        keep = keep_v[:, :, None, :] | (keep_s[..., diff.clamp(min=0)] & (diff >= 0))
-
-        qa = est.query_aware.nonzero(as_tuple=True)  # (batch ids, head ids)
-        if qa[0].numel():
-            keep[qa] |= self._query_aware_blocks(q, k, qa, scale)
+        if self._fast(q):
+            count, index, _ = flexprefill_select(q, k, *self._rule(), scale)
+            return BlockSelection(count, index, bs, bs, n)
+        keep, _ = flexprefill_select_ref(q, k, *self._rule(), scale)
         return BlockSelection.from_mask(keep, bs, bs, n)
 
-    def _query_aware_blocks(self, q: Tensor, k: Tensor, heads, scale: float | None) -> Tensor:
-        """bool [R, M, M] for the R query-aware (batch, head) pairs `heads`: the fewest causal
-        block pairs of the pooled row-softmax whose sum reaches gamma * M."""
-        bi, hi = heads
-        d = q.shape[-1]
-        bs, m = self.block_size, num_blocks(q.shape[2], self.block_size)
-        scale = 1.0 / math.sqrt(d) if scale is None else scale
-        group = q.shape[1] // k.shape[1]
-        q_bar = block_means(q, bs)[bi, hi]  # [R, M, D]
-        k_bar = block_means(k, bs)[bi, hi // group]
-        logits = torch.einsum("rid,rjd->rij", q_bar, k_bar) * scale
-        causal = torch.ones(m, m, dtype=torch.bool, device=q.device).tril()
-        p = torch.softmax(logits.masked_fill(~causal, float("-inf")), dim=-1).flatten(1)
-        count = coverage_count(p, self.gamma * m)
-        return top_mask(p, count).view(-1, m, m) & causal
+    def _fast(self, q: Tensor) -> bool:
+        """The Triton path (see `_use_triton`); "auto" keeps the reference where it cannot run."""
+        if not _use_triton(self.impl, q.device):
+            return False
+        if supported(self.block_size, q.shape[2], q.shape[-1]):
+            return True
+        if self.impl == "triton":
+            raise ValueError(
+                f"impl='triton' needs block_size <= 128 and head dim <= 256; got block_size="
+                f"{self.block_size}, head dim {q.shape[-1]}"
+            )
+        return False
 
 
 def _is_int(value) -> bool:

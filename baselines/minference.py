@@ -23,14 +23,23 @@ Where we deliberately differ from the public code (microsoft/MInference, minfere
   1/sqrt(d)); upstream divides by sqrt(head_dim).
 - GQA without repeating K/V (query head h reads KV head h // group) and batch > 1 are supported;
   upstream repeats K/V and loops over heads with batch 1.
-- Execution attends exactly the pattern's keys (each once): on CUDA with compiled FlexAttention
-  over the touched 128-blocks and a token-exact mask_mod, elsewhere with a PyTorch reference that
-  gathers the columns and reads the diagonal keys from 128-key blocks. Upstream's
-  kernel turns the diagonals into 64-key ranges per 64-query block and computes each range with
-  only the causal mask, so a query also sees up to 63 neighbouring offsets of every kept
-  diagonal: upstream attends a superset of the stated pattern. We keep the stated pattern (the
-  method's definition) and say so in the tables. A pattern that keeps all N diagonals (any prompt
-  up to slash_size tokens at ratio 1) is causal attention and runs as dense SDPA.
+- Execution attends exactly the pattern's keys (each once). Upstream's kernel turns the
+  diagonals into 64-key ranges per 64-query block and computes each range with only the causal
+  mask, so a query also sees up to 63 neighbouring offsets of every kept diagonal: upstream
+  attends a superset of the stated pattern. Our Triton executor (the default on CUDA) walks the
+  same kind of ranges (diagonals closer than 64 merged into one range per 64-query block, then
+  the kept columns gathered, one online softmax over both), but masks each range down to the
+  kept diagonals and skips a gathered column where the query already reaches it through a kept
+  diagonal, so no key counts twice (upstream drops the columns that fall inside a range). The
+  other executors: compiled FlexAttention over the touched 128-blocks with a token-exact
+  mask_mod, and a PyTorch reference. We keep the stated pattern (the method's definition) and say
+  so in the tables. A pattern that keeps all N diagonals (any prompt up to slash_size tokens at
+  ratio 1) is causal attention and runs as dense SDPA.
+- Field `impl` picks the selector's code: "torch" the PyTorch estimate (it builds the last
+  queries' [L, N] probabilities per KV group) and sorts, "triton" the estimate kernels and a radix
+  top-k (kernels/vertical_slash_attn.py: no [L, N] tensor, no sort), on CUDA or under
+  TRITON_INTERPRET=1; "auto" (the default) means "triton" on CUDA when Triton is installed and
+  last_q <= 128, else "torch". The lines agree up to estimates within rounding of each other.
 - Density: the pattern is not block-level, so density (and head_density) is the fraction of causal
   128x128 block pairs the pattern touches, a pair counting as touched when any (q, k) in it with
   k <= q lies on a kept column or diagonal. That is the cost a block kernel would pay, and it is
@@ -45,17 +54,27 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from rbs_bench.kernels.block_stats import triton_available
 from rbs_bench.kernels.vertical_slash_attn import (
+    attention_supported,
     check_pattern,
+    estimate_supported,
+    top_k_ids,
+    top_k_ids_ref,
+    vertical_slash_attention,
     vertical_slash_attention_flex,
     vertical_slash_attention_ref,
     vertical_slash_block_mask,
     vertical_slash_estimate,
+    vertical_slash_estimate_ref,
     vertical_slash_token_mask,
 )
 from torch import Tensor
 
+from rbs_bench.methods.rbs import _check_impl, _use_triton
 from rbs_bench.methods.selection import causal_block_mask
+
+EXECUTORS = ("reference", "flex", "triton")
 
 DENSITY_BLOCK = 128  # block size at which the token pattern's density is counted (design.md §3)
 
@@ -117,21 +136,29 @@ class VerticalSlashPattern:
         self, q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, executor: str = "auto"
     ) -> Tensor:
         """out [B, Hq, N, D]: attention over exactly the pattern's keys (q [B, Hq, N, D], k/v
-        [B, Hkv, N, D]). executor: "reference" (PyTorch, any device), "flex" (compiled
-        FlexAttention, CUDA), "auto" (flex on CUDA, else the reference)."""
+        [B, Hkv, N, D]). executor: "reference" (PyTorch, any device), "triton" (the Triton
+        kernel: CUDA, or the CPU under TRITON_INTERPRET=1), "flex" (compiled FlexAttention,
+        CUDA), "auto" (triton on CUDA, flex where it cannot run; the reference elsewhere)."""
         if q.shape[2] != self.seq_len:
             raise ValueError(
                 f"pattern was made for seq_len={self.seq_len} but q has N={q.shape[2]}"
             )
         if executor == "auto":
-            executor = "flex" if q.device.type == "cuda" else "reference"
-        if executor not in ("reference", "flex"):
-            raise ValueError(f"unknown executor {executor!r}; choose auto, reference or flex")
+            executor = "reference"
+            if q.device.type == "cuda":
+                fits = triton_available() and attention_supported(q.shape[-1], q.dtype)
+                executor = "triton" if fits else "flex"
+        if executor not in EXECUTORS:
+            raise ValueError(f"unknown executor {executor!r}; choose auto, {', '.join(EXECUTORS)}")
         if self.covers_every_diagonal():  # the exact same set as causal attention
             return F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=scale, enable_gqa=True
             )
-        run = vertical_slash_attention_flex if executor == "flex" else vertical_slash_attention_ref
+        run = {
+            "reference": vertical_slash_attention_ref,
+            "flex": vertical_slash_attention_flex,
+            "triton": vertical_slash_attention,
+        }[executor]
         return run(q, k, v, self.columns, self.diagonals, scale=scale)
 
     def covers_every_diagonal(self) -> bool:
@@ -144,12 +171,6 @@ def _check_int(name: str, value, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-def _top(scores: Tensor, count: int) -> Tensor:
-    """int32 [..., count]: the `count` largest scores' positions (ties: lower first), ascending."""
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :count]
-    return order.sort(-1).values.to(torch.int32)
-
-
 @dataclass(frozen=True)
 class MInference:
     """Vertical-slash selection from the last queries' attention. Knob: ratio (larger = more)."""
@@ -160,6 +181,7 @@ class MInference:
     last_q: int = 64
     sink_tokens: int = 30
     local_diagonals: int = 100
+    impl: str = "auto"
 
     name = "minference"
     knob = "ratio"
@@ -175,6 +197,7 @@ class MInference:
         _check_int("sink_tokens", self.sink_tokens, 0)
         _check_int("local_diagonals", self.local_diagonals, 0)
         _check_ratio(self.ratio)
+        _check_impl(self.impl)
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -192,12 +215,32 @@ class MInference:
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> VerticalSlashPattern:
         """q [B, Hq, N, D], k [B, Hkv, N, D] -> the per-query-head pattern."""
         _check_qk(q, k)
-        n = q.shape[2]
-        vertical, slash = vertical_slash_estimate(q, k, self.last_q, scale)  # [B, Hq, N]
+        b, hq, n, _ = q.shape
+        fast = self._fast(q)
+        estimate = vertical_slash_estimate if fast else vertical_slash_estimate_ref
+        vertical, slash = estimate(q, k, self.last_q, scale)  # fp32 [B, Hq, N]
         vertical[..., : self.sink_tokens] = float("inf")
         slash[..., : self.local_diagonals] = float("inf")
         nv, ns = self.sizes(n)
-        return VerticalSlashPattern(_top(vertical, nv), _top(slash, ns), n)
+        if fast:
+            cols = top_k_ids(vertical.view(b * hq, n), nv).view(b, hq, nv)
+            diags = top_k_ids(slash.view(b * hq, n), ns).view(b, hq, ns)
+        else:
+            cols, diags = top_k_ids_ref(vertical, nv), top_k_ids_ref(slash, ns)
+        return VerticalSlashPattern(cols, diags, n)
+
+    def _fast(self, q: Tensor) -> bool:
+        """The Triton selector (see `_use_triton`); "auto" keeps the reference where it cannot."""
+        if not _use_triton(self.impl, q.device):
+            return False
+        if estimate_supported(min(self.last_q, q.shape[2]), q.shape[-1]):
+            return True
+        if self.impl == "triton":
+            raise ValueError(
+                f"impl='triton' needs last_q <= 128 and head dim <= 256; got last_q="
+                f"{self.last_q}, head dim {q.shape[-1]}"
+            )
+        return False
 
 
 def _check_ratio(value) -> None:

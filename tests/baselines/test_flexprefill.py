@@ -252,6 +252,7 @@ def test_registry_and_knob():
     )
     assert (sel.knob, sel.knob_direction, sel.is_dense) == ("gamma", 1, False)
     assert sel.with_knob(0.5).gamma == 0.5 and sel.fields()["min_budget"] == 1024
+    assert sel.impl == "auto"  # Triton path on CUDA, the PyTorch reference elsewhere
 
 
 @pytest.mark.parametrize(
@@ -268,6 +269,7 @@ def test_registry_and_knob():
         ({"max_budget": 0, "min_budget": 0}, "max_budget must be"),
         ({"block_size": 0}, "block_size must be"),
         ({"gama": 0.5}, "no field 'gama'"),
+        ({"impl": "cuda"}, "impl must be one of auto, torch, triton"),
     ],
 )
 def test_bad_fields_raise(fields, message):

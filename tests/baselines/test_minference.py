@@ -153,8 +153,20 @@ def test_attend_checks_length():
     pat = MInference().select(torch.randn(1, 2, 50, 8), torch.randn(1, 2, 50, 8))
     with pytest.raises(ValueError, match="seq_len=50"):
         pat.attend(*(torch.randn(1, 2, 40, 8) for _ in range(3)))
-    with pytest.raises(ValueError, match="unknown executor 'triton'"):
-        pat.attend(*(torch.randn(1, 2, 50, 8) for _ in range(3)), executor="triton")
+    with pytest.raises(ValueError, match="unknown executor 'cuda'; choose auto, reference, flex"):
+        pat.attend(*(torch.randn(1, 2, 50, 8) for _ in range(3)), executor="cuda")
+
+
+def test_benchmark_runs_the_named_executor():
+    from rbs_bench.bench.attention import run_executor
+
+    q, k, v = torch.randn(1, 2, 300, 16), torch.randn(1, 1, 300, 16), torch.randn(1, 1, 300, 16)
+    pat = MInference(vertical_size=20, slash_size=40).select(q, k)
+    want = pat.attend(q, k, v, executor="reference")
+    torch.testing.assert_close(run_executor(q, k, v, pat, "reference"), want)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="needs a CUDA device"):
+            run_executor(q, k, v, pat, "flex")  # the pattern's own flex, not the block executor
 
 
 def test_registry_and_knob():
@@ -162,6 +174,7 @@ def test_registry_and_knob():
     assert sel == MInference() and (sel.vertical_size, sel.slash_size) == (1000, 6096)
     assert (sel.knob, sel.knob_direction, sel.is_dense) == ("ratio", 1, False)
     assert sel.last_q == 64 and sel.sink_tokens == 30 and sel.local_diagonals == 100
+    assert sel.impl == "auto"  # Triton selector on CUDA, the PyTorch one elsewhere
     assert methods.build("minference", ratio=0.5).with_knob(2.0).ratio == 2.0
     assert sel.fields()["ratio"] == 1.0
 
@@ -178,6 +191,7 @@ def test_registry_and_knob():
         ({"sink_tokens": True}, "sink_tokens must be"),
         ({"local_diagonals": -3}, "local_diagonals must be"),
         ({"ratios": 1.0}, "no field 'ratios'"),
+        ({"impl": "cuda"}, "impl must be one of auto, torch, triton"),
     ],
 )
 def test_bad_fields_raise(fields, message):
