@@ -555,6 +555,11 @@ def test_gpu_minference_pattern_at_32k_bf16():
     )
     out = pat.attend(q, k, v, executor="triton")
     flex = pat.attend(q, k, v, executor="flex")
+    # The tolerance: the bf16 reference's own error (flex's too, which can be far smaller when
+    # it falls back to its unfused eager path after other tests used up compile slots).
+    ref_bf16 = vertical_slash_attention_ref(q, k, v, pat.columns, pat.diagonals)
+    ref_err = (ref_bf16.float() - truth).abs().max().item()
     err = (out.float() - truth).abs().max().item()
     flex_err = (flex.float() - truth).abs().max().item()
-    assert err <= 2 * flex_err + 1e-3, f"triton err {err:.3e} vs flex err {flex_err:.3e}"
+    tol = 2 * max(ref_err, flex_err) + 1e-3
+    assert err <= tol, f"triton err {err:.3e} vs bf16 reference {ref_err:.3e}, flex {flex_err:.3e}"
