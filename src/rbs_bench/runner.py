@@ -84,6 +84,7 @@ class Loaded:
     tokenizer: object
     device: torch.device
     samples: dict  # (task, length) -> list[Sample]
+    processor: object = None  # video inputs of a vision-language model (models.vision)
 
 
 class Session:
@@ -99,9 +100,10 @@ class Session:
             device = resolve_device(cfg.device)
             try:
                 model, tok = models.load(cfg.model, device=device)
+                processor = models.load_video_processor(cfg.model, model, tok)
             except ValueError as e:
                 raise UserError(str(e)) from None
-            self._loaded = Loaded(model, tok, device, {})
+            self._loaded = Loaded(model, tok, device, {}, processor)
             self._model_key = key
         return self._loaded
 
@@ -109,7 +111,9 @@ class Session:
         bench = benchmarks.get(cfg.benchmark.name)
         key = (OmegaConf.to_yaml(cfg.benchmark), task, length, OmegaConf.to_yaml(cfg.model))
         if key not in loaded.samples:
-            wrap = lambda text: models.wrap_prompt(loaded.tokenizer, cfg.model, text)
+            wrap = lambda text, video=False: models.wrap_prompt(
+                loaded.tokenizer, cfg.model, text, video=video, processor=loaded.processor
+            )
             try:
                 loaded.samples[key] = bench.generate(
                     task,
@@ -152,12 +156,19 @@ def _check_benchmark(cfg: DictConfig) -> None:
 
 
 @torch.inference_mode()
-def greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos: set[int]):
-    """Prefill + greedy decode. Returns (new token ids, seconds to first token, seconds total)."""
+def greedy_generate(
+    model, input_ids: torch.Tensor, max_new_tokens: int, eos: set[int], **prefill_inputs
+):
+    """Prefill + greedy decode. Returns (new token ids, seconds to first token, seconds total).
+
+    `prefill_inputs` (a video's pixels, grid and token types) go to the prefill call only."""
+    from rbs_bench.models.vision import reset_position_state
+
+    reset_position_state(model)  # a multimodal model's RoPE offset belongs to one prompt
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    out = model(input_ids=input_ids, use_cache=True)
+    out = model(input_ids=input_ids, use_cache=True, **prefill_inputs)
     logits = out.logits[:, -1]
     if not torch.isfinite(logits).all():
         raise UserError(
@@ -223,7 +234,7 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
     pending = [(s, n) for s, n in work if not store.done((s.task, n, s.index))]
     for s, n in work:
         old = store.done((s.task, n, s.index))
-        if old and old["prompt_sha1"] != _sha1(s.prompt):
+        if old and old["prompt_sha1"] != _prompt_sha1(s):
             raise UserError(
                 f"{store.path} was made from different prompts ({old['benchmark_version']}"
                 f"); delete it or use results_dir=... to keep both"
@@ -255,13 +266,38 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
 
 def _input_ids(loaded: Loaded, sample) -> torch.Tensor:
     """[1, L] token ids of the prompt as fitted (no special tokens added)."""
+    if getattr(sample, "video", None) is not None:
+        raise UserError(
+            f"{sample.task} sample {sample.index} carries a video, which only benchmark runs "
+            f"decode; calibrate and analyse on a text benchmark"
+        )
     return loaded.tokenizer(sample.prompt, add_special_tokens=False, return_tensors="pt").input_ids
+
+
+def _model_inputs(loaded: Loaded, sample) -> dict:
+    """The prefill inputs of a sample on the model's device: `input_ids` [1, L], and for a
+    sample with a video its decoded frames through the model's processor (L then counts the
+    video tokens)."""
+    video = getattr(sample, "video", None)
+    if video is None:
+        inputs = {"input_ids": _input_ids(loaded, sample)}
+    elif loaded.processor is None:
+        raise UserError("video samples need a vision-language model, e.g. model=tiny_vl")
+    else:
+        try:
+            inputs = loaded.processor.inputs(loaded.tokenizer, sample.prompt, video)
+        except ValueError as e:
+            raise UserError(f"{sample.task} sample {sample.index}: {e}") from None
+    return {k: v.to(loaded.device) for k, v in inputs.items()}
 
 
 @torch.inference_mode()
 def _warm_up(loaded: Loaded, sample) -> None:
     """One untimed prefill of a prompt of this length, so kernel compilation is not timed."""
-    loaded.model(input_ids=_input_ids(loaded, sample).to(loaded.device), use_cache=True)
+    from rbs_bench.models.vision import reset_position_state
+
+    reset_position_state(loaded.model)
+    loaded.model(**_model_inputs(loaded, sample), use_cache=True)
     torch.cuda.synchronize(loaded.device)
 
 
@@ -269,12 +305,23 @@ def _sha1(text: str) -> str:
     return hashlib.sha1(text.encode()).hexdigest()
 
 
+def _prompt_sha1(sample) -> str:
+    """Hash of the prompt, and of the sampled frames for a sample with a video."""
+    video = getattr(sample, "video", None)
+    return _sha1(sample.prompt if video is None else f"{sample.prompt}\n{video.key()}")
+
+
 def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample, length) -> dict:
-    ids = _input_ids(loaded, sample)
+    inputs = _model_inputs(loaded, sample)
+    ids = inputs.pop("input_ids")
+    if inputs and ids.shape[1] + sample.max_new_tokens > length:
+        raise UserError(
+            f"{sample.task} sample {sample.index} takes {ids.shape[1]} tokens with its video, "
+            f"+{sample.max_new_tokens} new > context length {length}; raise "
+            f"benchmark.context_lengths or lower benchmark.data.num_frames"
+        )
     recorder.reset()
-    new, ttft, total = greedy_generate(
-        loaded.model, ids.to(loaded.device), sample.max_new_tokens, eos
-    )
+    new, ttft, total = greedy_generate(loaded.model, ids, sample.max_new_tokens, eos, **inputs)
     stats = recorder.summary()
     pred = loaded.tokenizer.decode(new, skip_special_tokens=True)
     return {
@@ -291,7 +338,7 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
         "context_length": length,
         "index": sample.index,
         "input_tokens": int(ids.shape[1]),
-        "prompt_sha1": _sha1(sample.prompt),
+        "prompt_sha1": _prompt_sha1(sample),
         "density": stats["density_mean"],
         "density_layers_heads": stats["density_layers_heads"],
         "prediction": pred,

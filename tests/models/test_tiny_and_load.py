@@ -17,7 +17,7 @@ TEXT = "Hello wörld,\n\tsparse   prefill! 漢字 🙂 <|im_start|>"
 
 def tiny_cfg(**overrides):
     fields = dict(
-        name="tiny",
+        name="tiny_random",  # the random-weight builder; the shipped model: tests/tinylm
         hf_id=None,
         revision=None,
         max_context=4096,
@@ -143,5 +143,5 @@ def test_config_overrides_reach_the_model_config(cache):
     model, _ = models.load(tiny_cfg(max_context=65536, config_overrides=overrides))
     assert model.config.max_position_embeddings == 65536
     assert model.config.rope_parameters["rope_theta"] == 5e5
-    with pytest.raises(ValueError, match="exceeds what tiny allows"):
+    with pytest.raises(ValueError, match="exceeds what tiny_random allows"):
         models.load(tiny_cfg(max_context=65537, config_overrides=overrides))

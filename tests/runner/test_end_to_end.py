@@ -13,6 +13,7 @@ import pytest
 from rbs_bench import methods
 
 SMALL = [
+    "budget=default",  # the experiment's own grid asks for calibrated targets
     "benchmark.context_lengths=[1024]",
     "benchmark.num_samples=2",
     "benchmark.max_new_tokens=4",
@@ -42,7 +43,8 @@ def _records(path: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_grid_writes_records_and_summary(tmp_path):
-    res = _run(tmp_path)
+    every = f"hydra.sweeper.params.method='{','.join(methods.available())}'"
+    res = _run(tmp_path, every)
     assert res.returncode == 0, res.stderr[-3000:]
     exp = tmp_path / "runs" / "ruler_budget" / "tiny"
     summary = (exp / "summary.csv").read_text().splitlines()
@@ -62,7 +64,7 @@ def test_grid_writes_records_and_summary(tmp_path):
             assert all(r["density"] == 1.0 for r in recs)
     assert (exp / "score_vs_density.png").exists()
     # rerunning finds everything recorded and recomputes nothing
-    res = _run(tmp_path)
+    res = _run(tmp_path, every)
     assert res.returncode == 0
     assert res.stdout.count("already recorded") == len(methods.available())
 
@@ -90,6 +92,7 @@ def test_kill_and_resume(tmp_path):
         "rbs_bench",
         "+experiment=ruler_budget",
         "method=dense",
+        "budget=default",
         "benchmark.context_lengths=[1024]",
         "benchmark.num_samples=12",
         "benchmark.max_new_tokens=24",

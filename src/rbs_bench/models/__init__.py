@@ -1,16 +1,29 @@
-"""Models: load an HF causal LM (hub id, local path, or the embedded tiny Qwen3) and its tokenizer.
+"""Models: load an HF causal LM or a Qwen3-VL model (hub id, local path, or an embedded tiny one)
+and its tokenizer; for Qwen3-VL also its video processor (`rbs_bench.models.vision`).
 
 Every model is loaded with the `rbs_sparse` attention implementation; until a selector is attached
-with `install(model, selector)` it runs transformers' SDPA, so a loaded model is a dense model.
+with `install(model, selector)` it runs transformers' SDPA, so a loaded model is a dense model. In
+a vision-language model the hook sits in the language model's layers only: their prefill covers
+the text and video tokens, the vision tower keeps dense attention.
 Importing this package is cheap: transformers is imported on first use.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ATTN_IMPL", "PrefillRecorder", "encoder", "install", "load", "uninstall", "wrap_prompt"]
+__all__ = [
+    "ATTN_IMPL",
+    "PrefillRecorder",
+    "encoder",
+    "install",
+    "load",
+    "load_video_processor",
+    "uninstall",
+    "wrap_prompt",
+]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LAZY = ("ATTN_IMPL", "PrefillRecorder", "install", "uninstall", "register")
@@ -27,14 +40,22 @@ def __getattr__(name: str) -> Any:
 def load(model_cfg, device="cpu"):
     """(model in eval mode on `device`, tokenizer) for a model config.
 
-    model_cfg fields: name, hf_id (None = the embedded tiny model), revision, max_context, dtype
-    ("auto" | "float32" | "bfloat16" | "float16"), chat_template, chat_template_kwargs,
-    trust_remote_code, config_overrides (config attributes to replace, e.g. rope scaling).
+    model_cfg fields: name, hf_id (None = an embedded model: `tiny_vl` for the name tiny_vl, the
+    random-weight tiny Qwen3 for tiny_random, the shipped trained tiny LM for any other),
+    revision, max_context, dtype ("auto" | "float32" | "bfloat16" | "float16"), chat_template,
+    chat_template_kwargs, trust_remote_code, config_overrides (config attributes to replace, e.g.
+    rope scaling). A config with a vision
+    tower (Qwen3-VL) loads as an image-text-to-text model.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+    )
 
-    from rbs_bench.models import hf_attention, tiny
+    from rbs_bench.models import hf_attention, vision
 
     if model_cfg.dtype not in _DTYPES:
         raise ValueError(f"model.dtype={model_cfg.dtype!r} is not one of {', '.join(_DTYPES)}")
@@ -45,24 +66,15 @@ def load(model_cfg, device="cpu"):
     if device.type != "cpu":
         kwargs["device_map"] = str(device)  # load the weights straight onto the accelerator
 
-    if model_cfg.hf_id is None:
-        source, extra = tiny.materialize(), {}
-    else:
-        source = model_cfg.hf_id
-        if str(source).startswith(("/", ".", "~")) and not Path(source).expanduser().is_dir():
-            raise ValueError(
-                f"model.hf_id={source} is not a directory; give a local model "
-                f"directory or a hub id such as Qwen/Qwen3-8B"
-            )
-        source = str(Path(source).expanduser()) if str(source).startswith("~") else source
-        extra = {
-            "revision": getattr(model_cfg, "revision", None),
-            "trust_remote_code": bool(model_cfg.trust_remote_code),
-        }
+    source, extra = _source(model_cfg)
     try:
         config = AutoConfig.from_pretrained(source, **extra, **_plain(model_cfg.config_overrides))
         _check_context(model_cfg, config)  # before the (possibly long) weight load
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, **extra, **kwargs)
+        auto = AutoModelForCausalLM
+        if vision.is_vision_language(config):
+            vision.check_supported(config)
+            auto = AutoModelForImageTextToText
+        model = auto.from_pretrained(source, config=config, **extra, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(source, **extra)
     except OSError as e:  # no network, gated, unknown id, missing files
         text = str(e).strip()
@@ -73,6 +85,46 @@ def load(model_cfg, device="cpu"):
         ) from e
     model = model.to(device).eval()
     return model, tokenizer
+
+
+def _source(model_cfg) -> tuple[str | Path, dict]:
+    """(where from_pretrained reads the model, its revision/trust_remote_code kwargs)."""
+    if model_cfg.hf_id is None:
+        from rbs_bench.models import tiny, tiny_vl
+
+        if model_cfg.name == "tiny_vl":
+            return tiny_vl.materialize(), {}
+        if model_cfg.name == "tiny_random":  # random weights: for tests of the harness
+            return tiny.materialize(), {}
+        return tiny.trained_dir(), {}  # the shipped trained model
+    source = model_cfg.hf_id
+    if str(source).startswith(("/", ".", "~")) and not Path(source).expanduser().is_dir():
+        raise ValueError(
+            f"model.hf_id={source} is not a directory; give a local model "
+            f"directory or a hub id such as Qwen/Qwen3-8B"
+        )
+    source = str(Path(source).expanduser()) if str(source).startswith("~") else source
+    extra = {
+        "revision": getattr(model_cfg, "revision", None),
+        "trust_remote_code": bool(model_cfg.trust_remote_code),
+    }
+    return source, extra
+
+
+def load_video_processor(model_cfg, model, tokenizer):
+    """The video processor (`vision.VideoProcessor`) of a loaded Qwen3-VL model; None for a
+    text-only model."""
+    from rbs_bench.models import vision
+
+    if not vision.is_vision_language(model.config):
+        return None
+    source, extra = _source(model_cfg)
+    try:
+        return vision.VideoProcessor.from_pretrained(
+            str(source), model.config, tokenizer, extra.get("revision")
+        )
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the video processor config of {str(source)!r} ({e})") from e
 
 
 def _plain(overrides) -> dict:
@@ -104,21 +156,46 @@ def context_limit(config) -> int | None:
     return limit
 
 
-def wrap_prompt(tokenizer, model_cfg, user_text: str) -> str:
+def wrap_prompt(tokenizer, model_cfg, user_text: str, video: bool = False, processor=None) -> str:
     """The user turn in the model's chat template plus the opening of the assistant turn, or
-    the raw text when model.chat_template is false."""
+    the raw text when model.chat_template is false.
+
+    With `video` the turn holds one video before the text, written as the model's video
+    placeholder (`processor`, a `vision.VideoProcessor`, expands it when the frames are known).
+    """
+    if video and processor is None:
+        raise ValueError(
+            f"model {model_cfg.name!r} is not a vision-language model; video benchmarks need a "
+            f"Qwen3-VL model (e.g. model=tiny_vl or model=qwen3_vl_30b_a3b_thinking_fp8)"
+        )
     if not model_cfg.chat_template:
-        return user_text
-    if not getattr(tokenizer, "chat_template", None):
+        return processor.placeholder + user_text if video else user_text
+    template = (processor.chat_template if video else None) or getattr(
+        tokenizer, "chat_template", None
+    )
+    if not template:
         raise ValueError(
             f"model {model_cfg.name!r} has no chat template; set model.chat_template=false"
         )
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": user_text}],
+    if video:
+        from rbs_bench.models.vision import video_prompt_messages
+
+        messages = video_prompt_messages(user_text)
+    else:
+        messages = [{"role": "user", "content": user_text}]
+    text = tokenizer.apply_chat_template(
+        messages,
+        chat_template=template,
         tokenize=False,
         add_generation_prompt=True,
         **dict(model_cfg.chat_template_kwargs or {}),
     )
+    if video and text.count(processor.video_token) != 1:
+        raise ValueError(
+            f"the chat template of {model_cfg.name!r} wrote {text.count(processor.video_token)} "
+            f"video placeholders for one video"
+        )
+    return text
 
 
 class _Encoder:

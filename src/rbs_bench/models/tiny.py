@@ -1,10 +1,13 @@
-"""The embedded default model: a tiny random-weight Qwen3 with a byte-level tokenizer.
+"""The embedded tiny models: a byte-level tokenizer, the shipped trained model and a random one.
 
-It exists so that the whole pipeline (tokenize -> prefill with a selector -> decode -> score) runs
-on a laptop or CI machine with no hub access. It is built deterministically from `TINY_CONFIG` and a
-fixed seed, saved once into a cache directory, and then loaded through the same `from_pretrained`
-path as every hub model, so nothing downstream special-cases it. Its predictions are noise: it
-measures the harness, not the method.
+`model=tiny` (the default) is the trained retrieval LM shipped in `rbs_bench/tinylm/weights`
+(`trained_dir()`; how it was trained: `rbs_bench.tinylm` and the model card there). Its
+tokenizer is `build_tokenizer()`.
+
+`model=tiny_random` is a smaller random-weight Qwen3 with the same tokenizer, for fast tests of
+the harness: built deterministically from `TINY_CONFIG` and a fixed seed, saved once into a cache
+directory (`materialize()`). Both load through the same `from_pretrained` path as every hub model,
+so nothing downstream special-cases them. The random model's predictions are noise.
 """
 
 from __future__ import annotations
@@ -87,8 +90,10 @@ def _byte_symbols() -> list[str]:
     return symbols
 
 
-def build_tokenizer():
-    """Byte-level BPE with no merges: every byte is a token, so any text round-trips."""
+def build_tokenizer(special_tokens=SPECIAL_TOKENS, chat_template=CHAT_TEMPLATE):
+    """Byte-level BPE with no merges: every byte is a token, so any text round-trips.
+
+    The special tokens follow the bytes (ids 256, 257, ...); the first is end-of-text and pad."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -96,15 +101,15 @@ def build_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(special_tokens))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=list(SPECIAL_TOKENS[1:]),
+        eos_token=special_tokens[0],
+        pad_token=special_tokens[0],
+        additional_special_tokens=list(special_tokens[1:]),
         model_max_length=TINY_CONFIG["max_position_embeddings"],
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
@@ -120,21 +125,43 @@ def build_model(config=None):
     return model.eval()
 
 
+def trained_dir() -> Path:
+    """Directory of the shipped trained model (config, safetensors weights, tokenizer)."""
+    from rbs_bench.tinylm import weights_dir
+
+    path = weights_dir()
+    if not (path / "model.safetensors").is_file():
+        raise ValueError(
+            f"the shipped tiny model is missing ({path / 'model.safetensors'}); reinstall "
+            f"rbs-bench, or use model=tiny_random for the random-weight model"
+        )
+    return path
+
+
 def materialize(cache_dir: str | os.PathLike | None = None) -> Path:
     """Path of the saved tiny model + tokenizer, building it there first if it is missing.
 
     The directory is `<cache_dir>/tiny-qwen3-<hash>`; it is written to a temporary sibling and
     renamed into place, so a crash or a concurrent writer never leaves a half-written model.
     """
+
+    def write(tmp: Path) -> None:
+        build_model().save_pretrained(tmp)
+        build_tokenizer().save_pretrained(tmp)
+
+    return save_once(cache_dir, f"tiny-qwen3-{config_hash()}", write)
+
+
+def save_once(cache_dir: str | os.PathLike | None, name: str, write) -> Path:
+    """`<cache_dir>/<name>`, made by `write(tmp_dir)` and renamed into place if it is missing."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"tiny-qwen3-{config_hash()}"
+    target = root / name
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
-        build_model().save_pretrained(tmp)
-        build_tokenizer().save_pretrained(tmp)
+        write(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
         try:
             os.rename(tmp, target)
