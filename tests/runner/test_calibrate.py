@@ -3,6 +3,7 @@
 import pytest
 import yaml
 from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
 
 from rbs_bench import calibrate, config
 from rbs_bench.config import UserError
@@ -69,3 +70,145 @@ def test_knob_grid_follows_the_knob_kind():
 def test_budget_with_knob_and_target_is_refused(tmp_path):
     with pytest.raises(UserError, match="sets both knob and target"):
         build_selector(_cfg(tmp_path, "budget.knob=0.5"))
+
+
+# --- density curves, the search's pieces, stored calibrations ---------------------------------
+
+
+def _qk(n: int, hq: int = 4, hkv: int = 2, d: int = 64, seed: int = 0):
+    """q, k with structure (a recency bias, sinks, a few dispersed key blocks), so that the
+    selection varies over the knob range."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(1, hq, n, d, generator=g), torch.randn(1, hkv, n, d, generator=g)
+    pos = torch.arange(n, dtype=torch.float32)[:, None] * torch.logspace(-3, -1, d // 4)[None]
+    rope = torch.cat([pos.cos(), pos.sin()], -1) * 2.0  # [n, d/2]
+    q[..., : d // 2] += rope
+    k[..., : d // 2] += rope
+    k[..., :16, d // 2] += 6.0
+    q[..., d // 2] += 1.0
+    k[:, :, n // 3 : n // 3 + 40] *= 3.0  # a dispersed stretch of keys
+    return q, k
+
+
+@pytest.mark.parametrize(
+    "name, n, block",
+    [("rbs", 1000, 64), ("rbs", 1025, 32), ("full_l2", 1025, 32), ("centroid", 1000, 64)]
+    + [("flashprefill", 1025, 32)],
+)
+def test_threshold_curve_is_the_selection_density_at_every_knob(name, n, block):
+    from rbs_bench import methods
+
+    q, k = _qk(n)
+    sel = methods.build(name, block_size=block)
+    values = calibrate.knob_grid(sel, 1e-3, 1e2, 11)
+    curve = calibrate.threshold_curve(sel, q, k, None, values)
+    direct = [sel.with_knob(v).select(q, k).density() for v in values]
+    pairs = q.shape[1] * sel.with_knob(1.0).select(q, k).causal_pairs()
+    assert len(set(direct)) > 1  # the knob moves the selection here
+    # equal up to a block pair whose score sits at the threshold within rounding
+    assert max(abs(a - b) for a, b in zip(curve, direct)) * pairs <= 1 + 1e-9
+
+
+def test_curves_of_other_methods_come_from_selections():
+    from rbs_bench import methods
+
+    q, k = _qk(512)
+    assert calibrate.threshold_curve(methods.build("quest"), q, k, None, [0.5]) is None
+    assert not calibrate.exact_curve_supported(methods.build("xattn"))
+
+
+def test_invert_meets_the_target_on_the_knob_scale():
+    values = [1.0, 10.0, 100.0]
+    curve = [0.9, 0.5, 0.1]  # falls linearly in log10(knob)
+    assert calibrate.invert(values, curve, 0.3, log=True) == pytest.approx(10**1.5)
+    assert calibrate.invert([0.0, 0.5, 1.0], [0.2, 0.4, 1.0], 0.7, log=False) == pytest.approx(0.75)
+    assert calibrate.invert(values, curve, 0.5, log=True) == 10.0  # a grid point on the target
+    assert calibrate.invert(values, curve, 0.95, log=True) is None  # never reached
+
+
+def test_knob_fields_are_what_the_knob_moves():
+    from rbs_bench import methods
+
+    assert calibrate.knob_fields(methods.build("rbs")) == {"alpha_base", "alpha_rescue"}
+    assert calibrate.knob_fields(methods.build("centroid")) == {"alpha"}
+    assert calibrate.knob_fields(methods.build("minference")) == {"ratio"}
+    assert calibrate.knob_value(methods.build("rbs", alpha_base=0.44)) == pytest.approx(2.0)
+
+
+def _entry(cfg, knob, **extra):
+    base = build_selector(cfg, apply_budget=False)
+    return {
+        "target": cfg.budget.target,
+        "knob": knob,
+        "knob_name": base.knob,
+        "abs_error": 1e-5,
+        "prompts": 2,
+        "setting": calibrate.setting(cfg, base),
+    } | extra
+
+
+def test_calibrations_are_kept_per_setting(tmp_path):
+    a, b = _cfg(tmp_path), _cfg(tmp_path, "method.block_size=64")
+    calibrate.store(a, _entry(a, 1.5))
+    calibrate.store(b, _entry(b, 2.5))
+    calibrate.store(a, _entry(a, 1.75))  # replaces the entry of the same setting
+    assert build_selector(a).alpha_base == pytest.approx(0.22 * 1.75)
+    assert build_selector(b).alpha_base == pytest.approx(0.22 * 2.5)
+    with pytest.raises(UserError, match=r"block_size=16.*create it with"):
+        build_selector(_cfg(tmp_path, "method.block_size=16"))
+    # a bare lookup by model, method and target (no benchmark) needs one entry at the target
+    bare = OmegaConf.create(
+        {
+            "calibration": {"dir": str(tmp_path / "calibration")},
+            "model": {"name": "tiny"},
+            "method": {"name": "rbs"},
+            "budget": {"name": "d10", "target": 0.45},
+        }
+    )
+    with pytest.raises(UserError, match="holds 2 calibrations at density 0.45"):
+        calibrate.load_knob(bare)
+
+
+def test_existing_calibration_is_kept_without_loading_the_model(tmp_path, capsys):
+    cfg = _cfg(tmp_path)
+    calibrate.store(cfg, _entry(cfg, 3.0))
+
+    class NoModel(Session):
+        def load(self, cfg):
+            raise AssertionError("the model was loaded")
+
+    assert calibrate.calibrate_cell(cfg, NoModel())["knob"] == 3.0
+    assert "already calibrated" in capsys.readouterr().out
+    # a looser stored entry (or one on fewer prompts) is redone
+    calibrate.store(cfg, _entry(cfg, 3.0, abs_error=0.01))
+    with pytest.raises(AssertionError, match="the model was loaded"):
+        calibrate.calibrate_cell(cfg, NoModel())
+
+
+def test_missing_calibration_names_the_command(tmp_path):
+    with pytest.raises(UserError) as e:
+        build_selector(_cfg(tmp_path))
+    msg = str(e.value)
+    assert (
+        "python -m rbs_bench.calibrate model=tiny method=rbs budget=d10 budget.target=0.45" in msg
+    )
+    assert "ruler niah_single_1 at 2048 tokens" in msg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["rbs", "centroid", "xattn"])
+def test_search_meets_the_tolerance_in_a_few_steps(tmp_path, monkeypatch, method):
+    monkeypatch.setenv("RBS_BENCH_CACHE", str(tmp_path / "cache"))
+    cfg = _cfg(
+        tmp_path,
+        f"method={method}",
+        "benchmark.num_samples=1",
+        "calibration.tolerance=0.0001",
+        "budget.target=0.5",
+    )
+    entry = calibrate.calibrate_cell(cfg, Session())
+    assert entry["abs_error"] <= 1e-4 and entry["steps"] <= 8
+    assert entry["forwards"] == entry["steps"] * entry["prompts"] == entry["steps"]
+    assert entry["setting"]["method"]["block_size"] == 32
