@@ -234,6 +234,18 @@ def invert(values, curve, target: float, log: bool) -> float | None:
     return float(math.exp(x) if log else x)
 
 
+def _window(values, curve, target: float, lo: float, hi: float) -> tuple[float, float]:
+    """Where the next short grid goes: two grid steps either side of the curve's crossing of
+    the target, inside the bracket [lo, hi] (the whole bracket when it does not cross)."""
+    c = np.asarray(curve, dtype=float) - target
+    cross = np.flatnonzero((np.sign(c[:-1]) != np.sign(c[1:])) | (c[:-1] == 0))
+    if not len(cross):
+        return lo, hi
+    j = int(cross[0])
+    wlo, whi = values[max(j - 2, 0)], values[min(j + 3, len(values) - 1)]
+    return max(lo, wlo), min(hi, whi)
+
+
 def calibrate_target(loaded, prompts, base, target: float, tol: float, executor: str) -> dict:
     """Find the knob whose in-run mean density over the prompts is within `tol` of `target`."""
     lo, hi = knob_range(base)
@@ -266,7 +278,8 @@ def calibrate_target(loaded, prompts, base, target: float, tol: float, executor:
             break  # the density steps over the target inside a bracket this narrow
         guess = invert(values, curve, target, log)
         knob = guess if guess is not None and blo < guess < bhi else _mid(blo, bhi, log)
-        values = _grid(base, blo, bhi, n_values, knob)
+        wlo, whi = _window(values, curve, target, blo, bhi) if n_values == GRID else (blo, bhi)
+        values = _grid(base, wlo, whi, n_values, knob)
     knob, per_prompt = best
     error = abs(float(per_prompt.mean()) - target)
     if error > tol:

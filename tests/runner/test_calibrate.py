@@ -54,7 +54,9 @@ def test_calibrated_knob_reproduces_its_density_in_a_run(tmp_path, monkeypatch):
 def test_unreachable_target_names_the_range(tmp_path, monkeypatch):
     monkeypatch.setenv("RBS_BENCH_CACHE", str(tmp_path / "cache"))
     cfg = _cfg(tmp_path, "budget.target=0.01")
-    with pytest.raises(UserError, match=r"cannot reach density 0.0100.*spans densities 0\.\d+-1"):
+    with pytest.raises(
+        UserError, match=r"cannot reach density 0.0100.*spans densities 0\.\d+-[01]\.\d+"
+    ):
         calibrate.calibrate_cell(cfg, Session())
 
 
@@ -126,6 +128,14 @@ def test_invert_meets_the_target_on_the_knob_scale():
     assert calibrate.invert([0.0, 0.5, 1.0], [0.2, 0.4, 1.0], 0.7, log=False) == pytest.approx(0.75)
     assert calibrate.invert(values, curve, 0.5, log=True) == 10.0  # a grid point on the target
     assert calibrate.invert(values, curve, 0.95, log=True) is None  # never reached
+
+
+def test_next_short_grid_brackets_the_crossing():
+    values = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+    curve = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]  # meets 0.55 between 0.4 and 0.5
+    assert calibrate._window(values, curve, 0.55, 0.0, 0.8) == (0.2, 0.7)
+    assert calibrate._window(values, curve, 0.55, 0.3, 0.6) == (0.3, 0.6)  # inside the bracket
+    assert calibrate._window(values, curve, 0.95, 0.0, 0.8) == (0.0, 0.8)  # no crossing
 
 
 def test_knob_fields_are_what_the_knob_moves():
