@@ -34,6 +34,24 @@ def test_method_yaml_matches_registry(method):
     assert built == methods.build(method)
 
 
+def test_forced_blocks_set_every_method_and_yield_to_method_fields():
+    from rbs_bench.runner import build_selector
+
+    def built(*overrides):
+        return build_selector(_compose(list(overrides)), apply_budget=False)
+
+    shrunk = ["forced.sink_blocks=1", "forced.window_blocks=1", "forced.last_q_blocks=0"]
+    for name in ("rbs", "centroid", "flashprefill", "full_l2", "quest"):
+        sel = built(f"method={name}", *shrunk)
+        assert (sel.sink_blocks, sel.window_blocks, sel.last_q_blocks) == (1, 1, 0)
+    assert built("method=flexprefill", "forced.min_budget=128").min_budget == 128
+    assert built("method=rbs", "forced.sink_blocks=1", "method.sink_blocks=3").sink_blocks == 3
+    # ruler_budget's CPU default shrinks them; the paper's come back with forced.*=<paper value>
+    cfg = _compose(["+experiment=ruler_budget", "method=rbs"])
+    assert build_selector(cfg, apply_budget=False).last_q_blocks == 0
+    assert built("method=xattn", *shrunk) == methods.build("xattn")  # no forced fields
+
+
 @pytest.mark.parametrize("model", config.group_options("model"))
 def test_models_compose(model):
     cfg = _compose([f"model={model}"])

@@ -312,13 +312,9 @@ def calibration_path(cfg) -> Path:
 
 
 def _base(cfg):
-    from rbs_bench import methods
+    from rbs_bench.runner import build_selector
 
-    fields = {k: v for k, v in OmegaConf.to_container(cfg.method).items() if k != "name"}
-    try:
-        return methods.build(cfg.method.name, **fields)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    return build_selector(cfg, apply_budget=False)
 
 
 def setting(cfg, base=None) -> dict | None:

@@ -66,6 +66,18 @@ class CalibrationCfg:
 
 
 @dataclass
+class ForcedCfg:
+    """The blocks every selector keeps whatever its scores, read by the method configs
+    (`sink_blocks: ${forced.sink_blocks}`, ...) so that one experiment can scale them for all
+    methods at once; `method.<field>=...` still sets one method's. Defaults: the paper's."""
+
+    sink_blocks: int = 2  # first key blocks (rbs, centroid, flashprefill, full_l2, quest)
+    window_blocks: int = 4  # local window ending at the diagonal, diagonal included (same)
+    last_q_blocks: int = 2  # last query blocks kept dense (same)
+    min_budget: int = 1024  # flexprefill's per-head floor in tokens
+
+
+@dataclass
 class LoggerCfg:
     name: str = "none"  # none | wandb
     project: str = "rbs-bench"
@@ -143,6 +155,7 @@ class RunCfg:
     budget: BudgetCfg = MISSING
     calibration: CalibrationCfg = MISSING
     logger: LoggerCfg = MISSING
+    forced: ForcedCfg = field(default_factory=ForcedCfg)
     results_dir: str = "results"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     executor: str = "auto"  # sparse executor: auto | reference | flex

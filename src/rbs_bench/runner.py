@@ -45,9 +45,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def method_fields(cfg: DictConfig) -> dict:
+    """The method's selector fields, interpolations (`${forced.*}`) resolved."""
+    fields = OmegaConf.to_container(cfg.method, resolve=True)
+    return {k: v for k, v in fields.items() if k != "name"}
+
+
 def build_selector(cfg: DictConfig, apply_budget: bool = True):
     """The method of this cell, with its budget's knob (set by hand or calibrated) applied."""
-    fields = {k: v for k, v in OmegaConf.to_container(cfg.method).items() if k != "name"}
+    fields = method_fields(cfg)
     budget = cfg.budget
     if budget.knob is not None and budget.target is not None:
         raise UserError(f"budget {budget.name!r} sets both knob and target; keep one")
