@@ -312,9 +312,14 @@ def calibration_path(cfg) -> Path:
 
 
 def _base(cfg):
-    from rbs_bench.runner import build_selector
+    """The method at its configured knob (no budget read: bare look-ups have none)."""
+    from rbs_bench import methods
+    from rbs_bench.runner import method_fields
 
-    return build_selector(cfg, apply_budget=False)
+    try:
+        return methods.build(cfg.method.name, **method_fields(cfg))
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def setting(cfg, base=None) -> dict | None:
