@@ -222,10 +222,17 @@ def test_requeued_task_resumes_without_loss(cluster):
     # start at once
     while cluster.job(f"{job}_0").get("JobState") != "PENDING" and time.monotonic() < deadline:
         time.sleep(0.2)
+    # and not before slurmd has finished killing the first run: a relaunch within its cleanup
+    # fails at once (exit 1, no output)
+    while "DUE TO JOB REQUEUE" not in _outputs(cluster, job) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(3)
     cluster.run("scontrol", "update", f"JobId={job}_0", "StartTime=now")
     cluster.wait_jobs(job, TIMEOUT)
     info = cluster.job(f"{job}_0")
-    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", info
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", (
+        f"{info}\n{_outputs(cluster, job)}\n{cluster.logs()}"
+    )
     final = read_records(path)
     keys = [record_key(r) for r in final]
     assert sorted(r["index"] for r in final) == list(range(n)) and len(set(keys)) == n
