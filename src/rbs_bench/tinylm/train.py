@@ -36,27 +36,15 @@ from pathlib import Path
 
 import numpy as np
 
+from rbs_bench.models.tiny import TINY_CONFIG
 from rbs_bench.tinylm import data
 
-# The shipped model's architecture (Qwen3Config kwargs).
+# The shipped model's architecture (Qwen3Config kwargs): the random test model's, wider and deeper.
 MODEL_CONFIG: dict = {
-    "vocab_size": 512,  # 256 bytes + special tokens, padded
+    **TINY_CONFIG,
     "hidden_size": 256,
     "intermediate_size": 768,
     "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "max_position_embeddings": 32768,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
-    "rms_norm_eps": 1e-6,
-    "initializer_range": 0.02,
-    "tie_word_embeddings": True,
-    "use_sliding_window": False,
-    "bos_token_id": None,
-    "eos_token_id": data.EOS_ID,
-    "pad_token_id": data.EOS_ID,
 }
 
 # Stage lengths and their share of the training time (--minutes) for the full preset.
