@@ -72,7 +72,7 @@ from rbs_bench.kernels.flexprefill_select import (
     sqrt_jsd,
     supported,
 )
-from rbs_bench.kernels.vertical_slash_attn import coverage_count, top_mask
+from rbs_bench.kernels.vertical_slash_attn import check_qk, coverage_count, top_mask
 from torch import Tensor
 
 from rbs_bench.methods.rbs import _check_impl, _use_triton
@@ -146,13 +146,13 @@ class FlexPrefill:
 
     def estimate(self, q: Tensor, k: Tensor, scale: float | None = None) -> FlexPrefillEstimate:
         """Steps 1-4 of the rule; needs N > block_size (see `runs_dense`)."""
-        _check_qk(q, k)
+        check_qk(q, k)
         run = flexprefill_estimate if self._fast(q) else flexprefill_estimate_ref
         return run(q, k, *self._rule(), scale)
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         """q [B, Hq, N, D], k [B, Hkv, N, D] -> kept key blocks per query head."""
-        _check_qk(q, k)
+        check_qk(q, k)
         b, hq, n, d = q.shape
         bs = self.block_size
         if self.runs_dense(n):
@@ -184,17 +184,6 @@ def _is_int(value) -> bool:
 def _check_gamma(value) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ValueError(f"gamma must be a number in [0, 1], got {value!r}")
-
-
-def _check_qk(q: Tensor, k: Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
-        )
 
 
 def main() -> None:

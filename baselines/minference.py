@@ -58,6 +58,7 @@ from rbs_bench.kernels.block_stats import triton_available
 from rbs_bench.kernels.vertical_slash_attn import (
     attention_supported,
     check_pattern,
+    check_qk,
     estimate_supported,
     top_k_ids,
     top_k_ids_ref,
@@ -214,7 +215,7 @@ class MInference:
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> VerticalSlashPattern:
         """q [B, Hq, N, D], k [B, Hkv, N, D] -> the per-query-head pattern."""
-        _check_qk(q, k)
+        check_qk(q, k)
         b, hq, n, _ = q.shape
         fast = self._fast(q)
         estimate = vertical_slash_estimate if fast else vertical_slash_estimate_ref
@@ -248,17 +249,6 @@ def _check_ratio(value) -> None:
         raise ValueError(f"ratio must be a finite number >= 0, got {value!r}")
     if not math.isfinite(value):
         raise ValueError(f"ratio must be a finite number >= 0, got {value!r}")
-
-
-def _check_qk(q: Tensor, k: Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
-        )
 
 
 def demo_qk(n: int, d: int = 64, heads: int = 4, seed: int = 0) -> tuple[Tensor, Tensor]:

@@ -32,8 +32,8 @@ from torch import Tensor
 
 from .block_stats import check_triton_launch, jit, tl, triton
 from .vertical_slash_attn import (
-    _check_qk,
     _estimate,
+    check_qk,
     coverage_count,
     coverage_select,
     estimate_supported,
@@ -141,7 +141,7 @@ def flexprefill_estimate_ref(
     scale: float | None = None,
 ) -> FlexPrefillEstimate:
     """The estimate steps in PyTorch (fp64 coverage); needs N > block_size."""
-    _check_qk(q, k)
+    check_qk(q, k)
     n, d = q.shape[2], q.shape[3]
     bs = block_size
     if n <= bs:
@@ -361,7 +361,7 @@ def flexprefill_estimate(
     """Triton `flexprefill_estimate_ref`: the line mass from the estimate kernels, the token
     budgets from the radix coverage; the [B, H, M]-sized rest as the reference."""
     check_triton_launch("flexprefill_estimate", q, k)
-    _check_qk(q, k)
+    check_qk(q, k)
     b, hq, n, d = q.shape
     bs = block_size
     if n <= bs:

@@ -423,7 +423,7 @@ def _estimate(
 ) -> Tensor:
     """fp32 [2, B, Hq, N]: (vertical, slash) of `vertical_slash_estimate` in one buffer."""
     check_triton_launch("vertical_slash_estimate", q, k)
-    _check_qk(q, k)
+    check_qk(q, k)
     b, hq, n, d = q.shape
     big_l = min(last_q, n)
     if not estimate_supported(big_l, d):
@@ -1197,7 +1197,8 @@ def vertical_slash_attention_flex(
     return _compiled_flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
 
 
-def _check_qk(q: Tensor, k: Tensor) -> None:
+def check_qk(q: Tensor, k: Tensor) -> None:
+    """q [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv, or ValueError."""
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
