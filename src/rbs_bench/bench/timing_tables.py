@@ -225,24 +225,16 @@ def speed_tables(df: pd.DataFrame, csv: Path, standalone: pd.DataFrame, pv: Pape
         else "The paper's Figure 3 (H100) values are not shown: "
         f"this table was measured on {df['device'].iloc[-1]}.",
     ]
-    times = []
-    for m in _all(one):
-        cells = [Cell((DISPLAY.get(m, m),))]
-        for n in ns:
-            r = at.get((m, n))
-            if r is None:
-                cells.append(Cell((MISSING,)))
-                continue
-            cells.append(
-                Cell(
-                    (
-                        _flag(_num(100 * r["density"], ".2f"), r["reached"]),
-                        _num(r["attention_ms"], ",.1f"),
-                        _num(r["ttft_ms"], ",.1f"),
-                    )
-                )
-            )
-        times.append(cells)
+    times = _method_rows(
+        _all(one),
+        ns,
+        at,
+        lambda r: (
+            _flag(_num(100 * r["density"], ".2f"), r["reached"]),
+            _num(r["attention_ms"], ",.1f"),
+            _num(r["ttft_ms"], ",.1f"),
+        ),
+    )
     measured = Table(
         title="Measured at batch 1: density (%) / prefill attention (ms) / TTFT (ms)",
         label=f"tab:ours_speed_times_{tag}",
@@ -253,6 +245,24 @@ def speed_tables(df: pd.DataFrame, csv: Path, standalone: pd.DataFrame, pv: Pape
         sources=_sources(one, csv),
     )
     return [speedups, measured]
+
+
+def _method_rows(methods, ns, at: dict, cell) -> list[list[Cell]]:
+    """A row per method: its name, then `cell(r)` for its record at each context, `MISSING` where
+    it has none and the status in capitals where it did not run (e.g. OOM)."""
+    rows = []
+    for m in methods:
+        cells = [Cell((DISPLAY.get(m, m),))]
+        for n in ns:
+            r = at.get((m, n))
+            if r is None:
+                cells.append(Cell((MISSING,)))
+            elif r["status"] != "ok":
+                cells.append(Cell((str(r["status"]).upper(),)))
+            else:
+                cells.append(Cell(cell(r)))
+        rows.append(cells)
+    return rows
 
 
 def _paper_speed_note(pv: PaperValues) -> str:
@@ -355,18 +365,9 @@ def memory_tables(df: pd.DataFrame, csv: Path, pv: PaperValues):
     # GiB as the paper prints them; MiB for models too small to show in GiB
     unit, scale = ("GiB", 1024) if ok["peak_allocated_mib"].max() >= 1024 else ("MiB", 1)
     size = lambda v: _num(v / scale, ".3f")
-    peak_rows = []
-    for m in _all(one):
-        cells = [Cell((DISPLAY.get(m, m),))]
-        for n in ns:
-            r = at.get((m, n))
-            if r is None:
-                cells.append(Cell((MISSING,)))
-            elif r["status"] != "ok":
-                cells.append(Cell((str(r["status"]).upper(),)))
-            else:
-                cells.append(Cell((size(r["peak_allocated_mib"]), size(r["peak_reserved_mib"]))))
-        peak_rows.append(cells)
+    peak_rows = _method_rows(
+        _all(one), ns, at, lambda r: (size(r["peak_allocated_mib"]), size(r["peak_reserved_mib"]))
+    )
     weights = size(ok["model_mib"].iloc[-1]) if len(ok) else MISSING
     peak = Table(
         title=f"Peak memory at batch 1: allocated / reserved ({unit})",
@@ -469,19 +470,15 @@ def selector_time_tables(df: pd.DataFrame, csv: Path):
     one = df[(df["batch"] == 1) & (df["status"] == "ok") & (df["method"] != "dense")]
     ns = sorted(one["n"].unique())
     at = {(r["method"], r["n"]): r for _, r in one.iterrows()}
-    rows = []
-    for m in _sparse(one):
-        cells = [Cell((DISPLAY.get(m, m),))]
-        for n in ns:
-            r = at.get((m, n))
-            if r is None:
-                cells.append(Cell((MISSING,)))
-                continue
-            share = 100 * r["selector_ms"] / r["attention_ms"]
-            cells.append(
-                Cell((_flag(_num(r["selector_ms"], ",.2f"), r["reached"]), _num(share, ".1f")))
-            )
-        rows.append(cells)
+    rows = _method_rows(
+        _sparse(one),
+        ns,
+        at,
+        lambda r: (
+            _flag(_num(r["selector_ms"], ",.2f"), r["reached"]),
+            _num(100 * r["selector_ms"] / r["attention_ms"], ".1f"),
+        ),
+    )
     layers = int(one["layers"].iloc[-1]) if len(one) else 0
     t = Table(
         title=f"Per-request selector time at batch 1 (ms, summed over {layers} layers) / its "
