@@ -1,4 +1,5 @@
-"""Run a kernel test file again under Triton's CPU interpreter, in a fresh Python.
+"""What the kernel test files share: `run`, which runs a test file again under Triton's CPU
+interpreter in a fresh Python; the device their kernel tests run on; the kv-list checks.
 
 TRITON_INTERPRET is read when triton decorates a kernel (at import), so a pytest process that
 already imported triton cannot switch to the interpreter; a subprocess started with it set can.
@@ -9,6 +10,36 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
+from rbs_bench.kernels.block_stats import INTERPRET, triton_available
+
+CUDA = torch.cuda.is_available()
+# where kernel tests run: CUDA, or the CPU under TRITON_INTERPRET=1 (set before import), else skip
+DEVICE = "cuda" if CUDA and not INTERPRET else ("cpu" if INTERPRET else None)
+kernel_test = pytest.mark.skipif(
+    DEVICE is None or not triton_available(),
+    reason="needs CUDA, or TRITON_INTERPRET=1 before import (test_interpreter_suite runs these)",
+)
+
+
+def lists_to_mask(count, idx):
+    m = idx.shape[-1]
+    live = torch.arange(m, device=idx.device) < count[..., None].long()
+    out = torch.zeros(*idx.shape[:-1], m + 1, dtype=torch.bool, device=idx.device)
+    return out.scatter_(-1, torch.where(live, idx.long(), m), True)[..., :m]
+
+
+def check_layout(count, idx):
+    """int32 lists; ids ascending and causal (<= i) up to the count, zeros past it."""
+    assert count.dtype == idx.dtype == torch.int32
+    m = idx.shape[-1]
+    slots = torch.arange(m, device=idx.device)
+    live = slots < count[..., None]
+    assert bool((idx[~live] == 0).all()), "padding past the count must be 0"
+    assert bool(((idx[..., 1:] > idx[..., :-1]) | ~live[..., 1:]).all()), "ids not ascending"
+    assert bool(((idx <= slots[:, None]) | ~live).all()), "a kept block lies above the diagonal"
 
 
 def run(test_file: str, *select: str, timeout: int = 900) -> tuple[int, str, int]:

@@ -12,15 +12,9 @@ import math
 import interpreter_suite
 import pytest
 import torch
+from interpreter_suite import CUDA, DEVICE, kernel_test
 from rbs_bench.kernels.block_mass import block_mass, block_mass_ref, causal_softmax_chunks
 from rbs_bench.kernels.block_stats import INTERPRET, triton_available
-
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA and not INTERPRET else ("cpu" if INTERPRET else None)
-kernel_test = pytest.mark.skipif(
-    DEVICE is None or not triton_available(),
-    reason="needs CUDA, or TRITON_INTERPRET=1 before import (test_interpreter_suite runs these)",
-)
 
 
 def qk(hq, hkv, n, d, seed=0, device="cpu", dtype=torch.float32):

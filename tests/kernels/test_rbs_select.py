@@ -21,6 +21,7 @@ import sys
 import interpreter_suite
 import pytest
 import torch
+from interpreter_suite import CUDA, DEVICE, check_layout, kernel_test, lists_to_mask
 from rbs_bench.kernels.block_scores import block_scores_ref
 from rbs_bench.kernels.block_stats import (
     INTERPRET,
@@ -42,12 +43,6 @@ from rbs_bench.kernels.rbs_select import (
 from rbs_bench import methods
 
 EPS = 1e-3
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA and not INTERPRET else ("cpu" if INTERPRET else None)
-kernel_test = pytest.mark.skipif(
-    DEVICE is None or not triton_available(),
-    reason="needs CUDA, or TRITON_INTERPRET=1 before import (test_interpreter_suite runs these)",
-)
 FLOATS = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
@@ -84,24 +79,6 @@ def boundary(q, centroid, uplift, bs, alphas, branches, forced, scale=None):
         thr = row_max + (math.log(alpha) if alpha > 0 else -math.inf)
         near |= cand & ((s - thr).abs() < eps)
     return near & ~forced, eps
-
-
-def lists_to_mask(count, idx):
-    m = idx.shape[-1]
-    live = torch.arange(m, device=idx.device) < count[..., None].long()
-    out = torch.zeros(*idx.shape[:-1], m + 1, dtype=torch.bool, device=idx.device)
-    return out.scatter_(-1, torch.where(live, idx.long(), m), True)[..., :m]
-
-
-def check_layout(count, idx):
-    """int32 lists; ids ascending and causal (<= i) up to the count, zeros past it."""
-    assert count.dtype == idx.dtype == torch.int32
-    m = idx.shape[-1]
-    slots = torch.arange(m, device=idx.device)
-    live = slots < count[..., None]
-    assert bool((idx[~live] == 0).all()), "padding past the count must be 0"
-    assert bool(((idx[..., 1:] > idx[..., :-1]) | ~live[..., 1:]).all()), "ids not ascending"
-    assert bool(((idx <= slots[:, None]) | ~live).all()), "a kept block lies above the diagonal"
 
 
 def assert_same_sets(got, want, near, what=""):

@@ -16,6 +16,7 @@ import interpreter_suite
 import pytest
 import torch
 import torch.nn.functional as F
+from interpreter_suite import CUDA, DEVICE, kernel_test
 from rbs_bench.kernels.block_stats import INTERPRET, triton_available
 from rbs_bench.kernels.vertical_slash_attn import (
     coverage_count,
@@ -36,13 +37,6 @@ from rbs_bench.kernels.vertical_slash_attn import (
 )
 
 from rbs_bench import methods
-
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA and not INTERPRET else ("cpu" if INTERPRET else None)
-kernel_test = pytest.mark.skipif(
-    DEVICE is None or not triton_available(),
-    reason="needs CUDA, or TRITON_INTERPRET=1 before import (test_interpreter_suite runs these)",
-)
 
 # (batch, q heads, kv heads, N, head dim)
 SHAPES = [

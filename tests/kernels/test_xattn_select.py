@@ -15,6 +15,7 @@ import math
 import interpreter_suite
 import pytest
 import torch
+from interpreter_suite import CUDA, DEVICE, check_layout, kernel_test, lists_to_mask
 from rbs_bench.kernels.block_stats import INTERPRET, triton_available
 from rbs_bench.kernels.xattn_select import (
     _launch_mass,
@@ -30,12 +31,6 @@ from rbs_bench.kernels.xattn_select import (
 from rbs_bench import methods
 
 EPS = 1e-4
-CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if CUDA and not INTERPRET else ("cpu" if INTERPRET else None)
-kernel_test = pytest.mark.skipif(
-    DEVICE is None or not triton_available(),
-    reason="needs CUDA, or TRITON_INTERPRET=1 before import (test_interpreter_suite runs these)",
-)
 
 
 def structured_qk(b, hq, hkv, n, d, seed, dtype=torch.float32, device=DEVICE):
@@ -74,24 +69,6 @@ def boundary(mass: torch.Tensor, tau: float, eps: float = EPS) -> torch.Tensor:
     tie = (v - lo).abs().lt(eps * total) | (v - hi).abs().lt(eps * total)
     near = torch.zeros_like(near_ranked).scatter(-1, order, near_ranked)
     return (near | (tie & inside & ((hi - lo) < eps * total))) & cand
-
-
-def lists_to_mask(count, idx):
-    m = idx.shape[-1]
-    live = torch.arange(m, device=idx.device) < count[..., None].long()
-    out = torch.zeros(*idx.shape[:-1], m + 1, dtype=torch.bool, device=idx.device)
-    return out.scatter_(-1, torch.where(live, idx.long(), m), True)[..., :m]
-
-
-def check_layout(count, idx):
-    """int32 lists; ids ascending and causal (<= i) up to the count, zeros past it."""
-    assert count.dtype == idx.dtype == torch.int32
-    m = idx.shape[-1]
-    slots = torch.arange(m, device=idx.device)
-    live = slots < count[..., None]
-    assert bool((idx[~live] == 0).all()), "padding past the count must be 0"
-    assert bool(((idx[..., 1:] > idx[..., :-1]) | ~live[..., 1:]).all()), "ids not ascending"
-    assert bool(((idx <= slots[:, None]) | ~live).all()), "a kept block lies above the diagonal"
 
 
 def assert_same_sets(got, want, near, what=""):
