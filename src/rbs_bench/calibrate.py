@@ -313,13 +313,9 @@ def calibration_path(cfg) -> Path:
 
 def _base(cfg):
     """The method at its configured knob (no budget read: bare look-ups have none)."""
-    from rbs_bench import methods
-    from rbs_bench.runner import method_fields
+    from rbs_bench.runner import build_method
 
-    try:
-        return methods.build(cfg.method.name, **method_fields(cfg))
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    return build_method(cfg)
 
 
 def setting(cfg, base=None) -> dict | None:

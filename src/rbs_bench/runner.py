@@ -45,22 +45,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def method_fields(cfg: DictConfig) -> dict:
-    """The method's selector fields, interpolations (`${forced.*}`) resolved."""
+def build_method(cfg: DictConfig):
+    """The method at its configured fields (interpolations such as `${forced.*}` resolved), no
+    budget applied."""
     fields = OmegaConf.to_container(cfg.method, resolve=True)
-    return {k: v for k, v in fields.items() if k != "name"}
+    try:
+        return methods.build(cfg.method.name, **{k: v for k, v in fields.items() if k != "name"})
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def build_selector(cfg: DictConfig, apply_budget: bool = True):
     """The method of this cell, with its budget's knob (set by hand or calibrated) applied."""
-    fields = method_fields(cfg)
     budget = cfg.budget
     if budget.knob is not None and budget.target is not None:
         raise UserError(f"budget {budget.name!r} sets both knob and target; keep one")
+    sel = build_method(cfg)
+    if not apply_budget or sel.knob is None:
+        return sel  # dense has nothing to set: every budget means density 1
     try:
-        sel = methods.build(cfg.method.name, **fields)
-        if not apply_budget or sel.knob is None:
-            return sel  # dense has nothing to set: every budget means density 1
         if budget.knob is not None:
             return sel.with_knob(budget.knob)
         if budget.target is not None:
