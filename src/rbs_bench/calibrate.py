@@ -79,9 +79,7 @@ def knob_grid(selector, lo: float, hi: float, n: int = GRID) -> list[float]:
 
 
 def knob_value(selector) -> float | None:
-    """The knob value a selector is set to (rbs: alpha_base / 0.22), or None."""
-    if isinstance(selector, RBS):
-        return selector.alpha_base / ALPHA_BASE
+    """The knob value a selector is set to (rbs: its scale s), or None."""
     value = getattr(selector, selector.knob, None)
     return float(value) if isinstance(value, (int, float)) else None
 
@@ -108,7 +106,8 @@ def threshold_curve(selector, q, k, scale, values) -> np.ndarray | None:
 
     q [B, Hq, N, D], k [B, Hkv, N, D]. A candidate pair (i, b) is kept at threshold alpha iff
     log(alpha) <= L[i, b] - max_b' L[i, b']; for rbs at scale s iff log(s) is at most the larger
-    of the two branches' gaps less log(0.22) and log(0.18). Forced pairs are always kept.
+    of the two branches' gaps less log(0.22) and log(0.18). A branch's top block (gap 0) and the
+    forced pairs are kept at every knob value of the range.
     """
     if not exact_curve_supported(selector):
         return None
@@ -132,7 +131,9 @@ def threshold_curve(selector, q, k, scale, values) -> np.ndarray | None:
     crit = None
     for s, offset in zip(scores, offsets):
         masked = s.masked_fill(~cand, -math.inf)
-        gap = masked - masked.amax(-1, keepdim=True) - offset
+        gap = masked - masked.amax(-1, keepdim=True)
+        # a branch's top block is kept over the whole knob range (alpha is at most 1)
+        gap = torch.where(gap == 0, math.inf, gap - offset)
         crit = gap if crit is None else torch.maximum(crit, gap)
     heads = q.shape[0] * q.shape[1]
     critical = crit[..., free].reshape(-1).sort().values  # [heads * free pairs]

@@ -104,13 +104,39 @@ def test_threshold_curve_is_the_selection_density_at_every_knob(name, n, block):
 
     q, k = _qk(n)
     sel = methods.build(name, block_size=block)
-    values = calibrate.knob_grid(sel, 1e-3, 1e2, 11)
+    values = calibrate.knob_grid(sel, 1e-3, calibrate.knob_range(sel)[1], 11)
     curve = calibrate.threshold_curve(sel, q, k, None, values)
     direct = [sel.with_knob(v).select(q, k).density() for v in values]
     pairs = q.shape[1] * sel.with_knob(1.0).select(q, k).causal_pairs()
     assert len(set(direct)) > 1  # the knob moves the selection here
     # equal up to a block pair whose score sits at the threshold within rounding
     assert max(abs(a - b) for a, b in zip(curve, direct)) * pairs <= 1 + 1e-9
+
+
+def test_rbs_scale_has_no_step_where_alpha_base_reaches_one():
+    """Past s = 1/0.22 the base branch keeps its top block (alpha clamped at 1): the density is
+    the same on both sides of that scale, where the literal pair (0.22 s > 1) would drop every
+    row's top base block at once."""
+    import dataclasses
+
+    from rbs_bench import methods
+
+    q, k = _qk(1000)
+    sel = methods.build("rbs", block_size=64, sink_blocks=0, window_blocks=1, last_q_blocks=0)
+    s_one = 1 / 0.22
+    below, above = sel.with_knob(s_one * (1 - 1e-6)), sel.with_knob(s_one * (1 + 1e-6))
+    assert above.alpha_base == 1.0 and above.alpha_rescue == pytest.approx(0.18 * s_one * 1.000001)
+    assert above.alpha_scale == pytest.approx(s_one * 1.000001)
+    literal = dataclasses.replace(above, alpha_base=0.22 * s_one * (1 + 1e-6))
+    d_below, d_above = below.select(q, k).density(), above.select(q, k).density()
+    assert d_above == d_below
+    assert literal.select(q, k).density() < d_above  # the step the clamp removes, on this input
+    curve = calibrate.threshold_curve(sel, q, k, None, [s_one * (1 - 1e-6), s_one * (1 + 1e-6)])
+    assert curve.tolist() == pytest.approx([d_below, d_above], abs=1e-12)
+    # at the range's end each branch keeps exactly its top block: every row past the first
+    # keeps the diagonal and at least one more block
+    end = sel.with_knob(calibrate.knob_range(sel)[1]).select(q, k)
+    assert (end.kv_count[..., 1:] >= 2).all()
 
 
 def test_curves_of_other_methods_come_from_selections():

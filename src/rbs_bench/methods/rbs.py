@@ -8,6 +8,14 @@
 Scores are query-block log-sum-exps of the scaled token logits; a branch keeps candidate b < i
 when L[i, b] >= log(alpha) + max_b' L[i, b']. Every variant shares this file's code path.
 
+Knobs and their ranges. A relative threshold is a fraction of the row's top score: at alpha = 1 a
+branch keeps only its top block, and past 1 the rule keeps nothing at all, a regime the paper never
+uses. Calibration therefore searches alpha in (0, 1] for centroid and full_l2, and rbs's scale s
+maps to (min(0.22 s, 1), min(0.18 s, 1)): each branch stops at its top block instead of dropping
+it. Without that clamp, at s = 1/0.22 every row's top base block would leave at once, and the
+density would jump across every target inside that step. An alpha above 1 set directly is still
+taken literally (that branch keeps nothing).
+
 Field `impl` picks the code: "torch" the PyTorch reference path; "triton" the fused kernels
 (`block_stats`, `rescue_beta`, `rbs_select`) on CUDA, or on CPU under TRITON_INTERPRET=1; "auto"
 (the default) means "triton" on CUDA when Triton is installed, else "torch". Both give the same
@@ -149,6 +157,7 @@ class RBS(BlockSelector):
     name = "rbs"
     knob = "alpha_scale"
     knob_direction = -1  # a larger scale raises both thresholds: fewer blocks
+    knob_range = (1e-4, 1.0 / ALPHA_RESCUE)  # from there on both branches keep their top block
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -159,8 +168,15 @@ class RBS(BlockSelector):
     def with_knob(self, value: float) -> RBS:
         _check_alpha(self.knob, value)
         return dataclasses.replace(
-            self, alpha_base=ALPHA_BASE * value, alpha_rescue=ALPHA_RESCUE * value
+            self,
+            alpha_base=min(ALPHA_BASE * value, 1.0),
+            alpha_rescue=min(ALPHA_RESCUE * value, 1.0),
         )
+
+    @property
+    def alpha_scale(self) -> float:
+        """The scale s this pair is at (the larger of the two ratios; both for the default pair)."""
+        return max(self.alpha_base / ALPHA_BASE, self.alpha_rescue / ALPHA_RESCUE)
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)
@@ -183,6 +199,7 @@ class _SingleBranch(BlockSelector):
 
     knob = "alpha"
     knob_direction = -1  # a larger alpha keeps fewer blocks
+    knob_range = (1e-4, 1.0)  # at 1 the branch keeps only its top block
 
     def __post_init__(self) -> None:
         super().__post_init__()
