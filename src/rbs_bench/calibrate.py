@@ -255,13 +255,16 @@ def calibrate_target(loaded, prompts, base, target: float, tol: float, executor:
     start = knob_value(base)
     knob = min(max(start if start is not None else _mid(lo, hi, log), lo), hi)
     values = _grid(base, lo, hi, n_values, knob)
-    blo, bhi, best, steps = lo, hi, None, 0
+    blo, bhi, steps = lo, hi, 0
+    narrow = False
+    near = {}  # side of the target ("below"/"above") -> the closest (knob, per-prompt densities)
     while steps < MAX_STEPS:
         dens, curves = probe(loaded, prompts, base, knob, values, executor)
         steps += 1
         mean, curve = float(dens.mean()), curves.mean(0)
-        if best is None or abs(mean - target) < abs(best[1].mean() - target):
-            best = (knob, dens)
+        side = "below" if mean < target else "above"
+        if side not in near or abs(mean - target) < abs(near[side][1].mean() - target):
+            near[side] = (knob, dens)
         if steps == 1 and not curve.min() - tol <= target <= curve.max() + tol:
             raise UserError(
                 f"{base.name} cannot reach density {target:.4f} here: its knob {base.knob} "
@@ -276,19 +279,34 @@ def calibrate_target(loaded, prompts, base, target: float, tol: float, executor:
         else:
             bhi = knob
         if not _open(blo, bhi, (lo, hi), log):
-            break  # the density steps over the target inside a bracket this narrow
+            narrow = True  # the density steps over the target inside a bracket this narrow
+            break
         guess = invert(values, curve, target, log)
         knob = guess if guess is not None and blo < guess < bhi else _mid(blo, bhi, log)
         wlo, whi = _window(values, curve, target, blo, bhi) if n_values == GRID else (blo, bhi)
         values = _grid(base, wlo, whi, n_values, knob)
-    knob, per_prompt = best
+    knob, per_prompt = min(near.values(), key=lambda kd: abs(kd[1].mean() - target))
     error = abs(float(per_prompt.mean()) - target)
+    extra = {}
     if error > tol:
+        extra["neighbours"] = {
+            side: {"knob": float(near[side][0]), "density_mean": float(near[side][1].mean())}
+            for side in ("below", "above")
+            if side in near
+        }
+        sides = "; ".join(
+            f"{v['density_mean']:.5f} at {base.knob}={v['knob']:.6g}"
+            for v in extra["neighbours"].values()
+        )
+        why = (
+            f"the density steps over the target between {sides}; no knob value gives a "
+            "density in between on these prompts"
+            if narrow
+            else f"stopped after {MAX_STEPS} steps; closest on each side: {sides}"
+        )
         print(
             f"rbs-bench: warning: {base.name} at density {target:.4f}: closest "
-            f"{per_prompt.mean():.5f} (error {error:.2e} > calibration.tolerance {tol:g}) at "
-            f"{base.knob}={knob:.6g}; the "
-            "density steps over the target on these prompts (more prompts make finer steps)",
+            f"{per_prompt.mean():.5f} (error {error:.2e} > calibration.tolerance {tol:g}); {why}",
             file=sys.stderr,
         )
     return {
@@ -301,6 +319,7 @@ def calibrate_target(loaded, prompts, base, target: float, tol: float, executor:
         "abs_error": error,
         "steps": steps,
         "forwards": steps * len(prompts),
+        **extra,
     }
 
 

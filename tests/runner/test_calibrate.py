@@ -248,3 +248,30 @@ def test_search_meets_the_tolerance_in_a_few_steps(tmp_path, monkeypatch, method
     assert entry["abs_error"] <= 1e-4 and entry["steps"] <= 8
     assert entry["forwards"] == entry["steps"] * entry["prompts"] == entry["steps"]
     assert entry["setting"]["method"]["block_size"] == 32
+
+
+@pytest.mark.slow
+def test_a_target_inside_a_density_step_records_the_densities_either_side(
+    tmp_path, monkeypatch, capsys
+):
+    """A tolerance finer than one block pair: the search ends at the step that holds the target
+    and records the closest density on each side with its knob."""
+    monkeypatch.setenv("RBS_BENCH_CACHE", str(tmp_path / "cache"))
+    target = 0.4321
+    cfg = _cfg(
+        tmp_path,
+        "benchmark.num_samples=1",
+        "calibration.tolerance=1e-9",
+        f"budget.target={target}",
+    )
+    entry = calibrate.calibrate_cell(cfg, Session())
+    below, above = entry["neighbours"]["below"], entry["neighbours"]["above"]
+    assert below["density_mean"] < target < above["density_mean"]
+    assert below["knob"] > above["knob"]  # a larger scale keeps fewer blocks
+    assert entry["density_mean"] in (below["density_mean"], above["density_mean"])
+    gap = min(target - below["density_mean"], above["density_mean"] - target)
+    assert entry["abs_error"] == pytest.approx(gap)
+    err = capsys.readouterr().err
+    assert "steps over the target between" in err and f"{below['density_mean']:.5f}" in err
+    stored = yaml.safe_load((tmp_path / "calibration/tiny/rbs.yaml").read_text())
+    assert stored["entries"][0]["neighbours"] == entry["neighbours"]
