@@ -340,18 +340,23 @@ def _base(cfg):
 
 def setting(cfg, base=None) -> dict | None:
     """What a calibration holds for besides the target: the method's fields other than its knob,
-    and the prompts' benchmark, first task and first context length (None without a benchmark)."""
+    the prompts' benchmark, first task and first context length, and the weights' digest where the
+    model has one (models.weights_digest). None without a benchmark."""
+    from rbs_bench.models import weights_digest
+
     base = base or _base(cfg)
     bench = OmegaConf.select(cfg, "benchmark")
     if bench is None or base.knob is None:
         return None
     skip = knob_fields(base) | set(IGNORED_FIELDS)
-    return {
+    out = {
         "method": {k: v for k, v in base.fields().items() if k not in skip},
         "benchmark": bench.name,
         "task": bench.tasks[0],
         "context_length": int(bench.context_lengths[0]),
     }
+    digest = weights_digest(cfg.model)
+    return out | {"weights": digest} if digest else out
 
 
 def _describe(s: dict | None) -> str:

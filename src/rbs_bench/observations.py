@@ -706,7 +706,9 @@ def run(cfg, experiment: str) -> Path:
     fingerprint = {"observations": OmegaConf.to_container(ocfg, resolve=True)}
     fingerprint["observations"].pop("prompts")  # more prompts may be added to a run
     if not ocfg.synthetic:
-        fingerprint["model"] = OmegaConf.to_container(cfg.model, resolve=True)
+        from rbs_bench.models import identity
+
+        fingerprint["model"] = identity(cfg.model)
         fingerprint["benchmark"] = {"name": cfg.benchmark.name, "task": cfg.benchmark.tasks[0]}
     fingerprint = json.loads(json.dumps(fingerprint, default=str))
     if (out_dir / "cell.json").exists():  # refuse to mix settings before any work is done

@@ -218,7 +218,7 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
         out_dir / "cell.json",
         _flatten(
             {
-                "model": OmegaConf.to_container(cfg.model),
+                "model": models.identity(cfg.model),
                 "method": selector.fields() | {"name": selector.name},
                 "budget.knob": cfg.budget.knob,
                 "budget.target": cfg.budget.target,

@@ -145,3 +145,27 @@ def test_config_overrides_reach_the_model_config(cache):
     assert model.config.rope_parameters["rope_theta"] == 5e5
     with pytest.raises(ValueError, match="exceeds what tiny_random allows"):
         models.load(tiny_cfg(max_context=65537, config_overrides=overrides))
+
+
+def test_the_shipped_weights_digest_keeps_other_weights_out_of_records(tmp_path, monkeypatch):
+    """Run records and calibrations of model=tiny carry its weights' digest, so results made with
+    retrained weights under the same name are refused instead of resumed or looked up."""
+    import hashlib
+
+    from omegaconf import OmegaConf
+
+    from rbs_bench.config import UserError
+    from rbs_bench.records import check_fingerprint
+
+    trained = OmegaConf.create(vars(tiny_cfg(name="tiny")))
+    data = (tiny.trained_dir() / "model.safetensors").read_bytes()
+    assert models.weights_digest(trained) == hashlib.sha256(data).hexdigest()[:16]
+    assert models.identity(trained)["weights"] == models.weights_digest(trained)
+    for other in (tiny_cfg(), tiny_cfg(name="tiny_vl"), tiny_cfg(name="x", hf_id="Qwen/Qwen3-8B")):
+        assert models.weights_digest(other) is None
+        assert "weights" not in models.identity(OmegaConf.create(vars(other)))
+
+    check_fingerprint(tmp_path / "cell.json", {"model": models.identity(trained)})
+    monkeypatch.setattr(models, "_file_digest", lambda path: "0" * 16)  # retrained weights
+    with pytest.raises(UserError, match="made with model="):
+        check_fingerprint(tmp_path / "cell.json", {"model": models.identity(trained)})

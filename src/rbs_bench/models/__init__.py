@@ -10,6 +10,8 @@ Importing this package is cheap: transformers is imported on first use.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -18,10 +20,12 @@ __all__ = [
     "ATTN_IMPL",
     "PrefillRecorder",
     "encoder",
+    "identity",
     "install",
     "load",
     "load_video_processor",
     "uninstall",
+    "weights_digest",
     "wrap_prompt",
 ]
 
@@ -87,14 +91,53 @@ def load(model_cfg, device="cpu"):
     return model, tokenizer
 
 
+def _embedded(model_cfg) -> str | None:
+    """Which embedded model a config loads ("tiny_vl", "tiny_random", "trained"), or None."""
+    if model_cfg.hf_id is not None:
+        return None
+    return model_cfg.name if model_cfg.name in ("tiny_vl", "tiny_random") else "trained"
+
+
+def weights_digest(model_cfg) -> str | None:
+    """The first 16 hex digits of the sha256 of the shipped trained model's weights, for a config
+    that loads it; None for any other model (a hub id with its revision, a local path, or a model
+    built from code, whose builder version is in its cache name). Run records and calibrations
+    carry it, so that results made with other weights under the same model name never mix."""
+    if _embedded(model_cfg) != "trained":
+        return None
+    from rbs_bench.models import tiny
+
+    return _file_digest(str(tiny.trained_dir() / "model.safetensors"))
+
+
+def identity(model_cfg) -> dict:
+    """The model config as a plain dict, with `weights` (its digest) where weights_digest has one:
+    what run records are fingerprinted with."""
+    from omegaconf import OmegaConf
+
+    out = OmegaConf.to_container(model_cfg, resolve=True)
+    digest = weights_digest(model_cfg)
+    return out | {"weights": digest} if digest else out
+
+
+@functools.lru_cache(maxsize=4)
+def _file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
 def _source(model_cfg) -> tuple[str | Path, dict]:
     """(where from_pretrained reads the model, its revision/trust_remote_code kwargs)."""
-    if model_cfg.hf_id is None:
+    kind = _embedded(model_cfg)
+    if kind is not None:
         from rbs_bench.models import tiny, tiny_vl
 
-        if model_cfg.name == "tiny_vl":
+        if kind == "tiny_vl":
             return tiny_vl.materialize(), {}
-        if model_cfg.name == "tiny_random":  # random weights: for tests of the harness
+        if kind == "tiny_random":  # random weights: for tests of the harness
             return tiny.materialize(), {}
         return tiny.trained_dir(), {}  # the shipped trained model
     source = model_cfg.hf_id
