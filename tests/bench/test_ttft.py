@@ -15,7 +15,6 @@ import torch
 from rbs_bench import methods
 from rbs_bench.bench import ttft
 from rbs_bench.config import TimingCfg, UserError
-from rbs_bench.methods.rbs import ALPHA_BASE
 from rbs_bench.models.hf_attention import install, uninstall
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,7 +218,10 @@ def test_run_writes_every_column_resumes_and_reuses_calibration(tmp_path, capsys
     assert rbs["sparse_attention_ms"] == pytest.approx(rbs["attention_ms"] - rbs["selector_ms"])
     assert rbs["tokens_per_s"] == pytest.approx(N / (rbs["ttft_ms"] / 1e3))
     assert rbs["knob_name"] == "alpha_scale"
-    assert rbs["knob"] == pytest.approx(json.loads(rbs["fields"])["alpha_base"] / ALPHA_BASE)
+    # the sparsest scale: each branch's threshold stops at 1 (its top block)
+    fields = json.loads(rbs["fields"])
+    assert fields["alpha_base"] == 1.0 and fields["alpha_rescue"] == pytest.approx(1.0)
+    assert rbs["knob"] == pytest.approx(methods.build("rbs", **fields).alpha_scale)
     assert rbs["block_stats_mib"] > 0 and rbs["selector_workspace_mib"] > 0
     assert rbs["peak_allocated_mib"] > rbs["model_mib"] > 0
     assert math.isnan(rbs["peak_reserved_mib"])  # a CPU has no reserved pool
