@@ -256,7 +256,6 @@ def calibrate_target(loaded, prompts, base, target: float, tol: float, executor:
     knob = min(max(start if start is not None else _mid(lo, hi, log), lo), hi)
     values = _grid(base, lo, hi, n_values, knob)
     blo, bhi, steps = lo, hi, 0
-    narrow = False
     near = {}  # side of the target ("below"/"above") -> the closest (knob, per-prompt densities)
     while steps < MAX_STEPS:
         dens, curves = probe(loaded, prompts, base, knob, values, executor)
@@ -279,8 +278,7 @@ def calibrate_target(loaded, prompts, base, target: float, tol: float, executor:
         else:
             bhi = knob
         if not _open(blo, bhi, (lo, hi), log):
-            narrow = True  # the density steps over the target inside a bracket this narrow
-            break
+            break  # the density steps over the target inside a bracket this narrow
         guess = invert(values, curve, target, log)
         knob = guess if guess is not None and blo < guess < bhi else _mid(blo, bhi, log)
         wlo, whi = _window(values, curve, target, blo, bhi) if n_values == GRID else (blo, bhi)
@@ -301,7 +299,7 @@ def calibrate_target(loaded, prompts, base, target: float, tol: float, executor:
         why = (
             f"the density steps over the target between {sides}; no knob value gives a "
             "density in between on these prompts"
-            if narrow
+            if not _open(blo, bhi, (lo, hi), log)
             else f"stopped after {MAX_STEPS} steps; closest on each side: {sides}"
         )
         print(
