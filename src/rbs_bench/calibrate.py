@@ -40,6 +40,7 @@ import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from rbs_bench.budget import KnobSearch, LayerCurves, Unreachable, knob_fields
 from rbs_bench.config import (
     CONFIG_MODULE,
     UserError,
@@ -48,99 +49,9 @@ from rbs_bench.config import (
     report_user_errors,
     validate,
 )
-from rbs_bench.kernels.block_scores import block_scores_ref
-from rbs_bench.kernels.block_stats import block_stats_ref, rescue_beta_ref
-from rbs_bench.methods.rbs import ALPHA_BASE, ALPHA_RESCUE, RBS, Centroid, FullL2
-from rbs_bench.methods.selection import (
-    candidate_mask,
-    causal_block_mask,
-    forced_mask,
-    num_blocks,
-)
 
 register_schemas()
-GRID = 12  # knob values per step for methods that select once per value
-FINE_GRID = 1025  # knob values per step of an exact (threshold) density curve
-MAX_STEPS = 16  # in-run steps before giving up on the tolerance
-MIN_BRACKET = 1e-4  # a knob bracket this narrow (share of the range) holds a step of the density
-DEFAULT_RANGE = (1e-4, 1e3)  # knob range of methods that do not declare one (thresholds)
 IGNORED_FIELDS = ("impl",)  # fields that change how, not what, a method selects
-
-
-def knob_range(selector) -> tuple[float, float]:
-    return tuple(getattr(selector, "knob_range", DEFAULT_RANGE))
-
-
-def knob_grid(selector, lo: float, hi: float, n: int = GRID) -> list[float]:
-    """n knob values spanning [lo, hi]: geometric for open-ended knobs, linear for fractions."""
-    if knob_range(selector)[0] > 0:
-        return np.geomspace(lo, hi, n).tolist()
-    return np.linspace(lo, hi, n).tolist()
-
-
-def knob_value(selector) -> float | None:
-    """The knob value a selector is set to (rbs: its scale s), or None."""
-    value = getattr(selector, selector.knob, None)
-    return float(value) if isinstance(value, (int, float)) else None
-
-
-def knob_fields(selector) -> set[str]:
-    """The fields that moving the knob changes (rbs: both thresholds)."""
-    lo, hi = knob_range(selector)
-    a, b = knob_grid(selector, lo, hi, 5)[1:4:2]
-    fa, fb = selector.with_knob(a).fields(), selector.with_knob(b).fields()
-    return {f for f in fa if fa[f] != fb.get(f)}
-
-
-# ------------------------------------------------------------------------------------------------
-# Density curves: the density of one layer at many knob values from one scoring.
-
-
-def exact_curve_supported(selector) -> bool:
-    return isinstance(selector, (RBS, Centroid, FullL2))
-
-
-def threshold_curve(selector, q, k, scale, values) -> np.ndarray | None:
-    """Density [V] of `selector` re-knobbed to each of `values`, exact, for the relative-threshold
-    selectors (None for any other method).
-
-    q [B, Hq, N, D], k [B, Hkv, N, D]. A candidate pair (i, b) is kept at threshold alpha iff
-    log(alpha) <= L[i, b] - max_b' L[i, b']; for rbs at scale s iff log(s) is at most the larger
-    of the two branches' gaps less log(0.22) and log(0.18). A branch's top block (gap 0) and the
-    forced pairs are kept at every knob value of the range.
-    """
-    if not exact_curve_supported(selector):
-        return None
-    bs, n, dev = selector.block_size, q.shape[2], q.device
-    centroid, radius = block_stats_ref(k, bs)
-    if isinstance(selector, RBS):
-        uplifts = [None, radius * rescue_beta_ref(radius)]
-        offsets = [math.log(ALPHA_BASE), math.log(ALPHA_RESCUE)]
-    else:
-        uplifts = [radius if selector.full_bound else None]
-        offsets = [0.0]
-    scores = block_scores_ref(q, centroid, uplifts, bs, scale)  # each fp32 [B, Hq, M, M]
-    m = num_blocks(n, bs)
-    cand = candidate_mask(m, dev)
-    causal = causal_block_mask(n, bs, bs, dev)
-    forced = forced_mask(
-        m, selector.sink_blocks, selector.window_blocks, selector.last_q_blocks, dev
-    )
-    forced = forced & causal
-    free = cand & ~forced
-    crit = None
-    for s, offset in zip(scores, offsets):
-        masked = s.masked_fill(~cand, -math.inf)
-        gap = masked - masked.amax(-1, keepdim=True)
-        # a branch's top block is kept over the whole knob range (alpha is at most 1)
-        gap = torch.where(gap == 0, math.inf, gap - offset)
-        crit = gap if crit is None else torch.maximum(crit, gap)
-    heads = q.shape[0] * q.shape[1]
-    critical = crit[..., free].reshape(-1).sort().values  # [heads * free pairs]
-    log_v = torch.log(torch.as_tensor(values, dtype=torch.float64, device=dev)).to(critical.dtype)
-    kept = critical.numel() - torch.searchsorted(critical, log_v)  # pairs with log(v) <= critical
-    total = heads * int(causal.sum())
-    return ((heads * int(forced.sum()) + kept).double() / total).cpu().numpy()
 
 
 @dataclass
@@ -155,8 +66,7 @@ class CurveProbe:
     base: object
     values: list[float]
     curves: list[np.ndarray] = field(default_factory=list)
-    _sum: np.ndarray | None = None
-    _count: int = 0
+    _layers: LayerCurves | None = None
 
     is_dense = False
     name = "curve_probe"
@@ -167,18 +77,14 @@ class CurveProbe:
 
     def select(self, q, k, scale=None):
         sel = self.run.select(q, k, scale=scale)
-        curve = threshold_curve(self.base, q, k, scale, self.values)
-        if curve is None:
-            curve = np.asarray(
-                [self.base.with_knob(v).select(q, k, scale=scale).density() for v in self.values]
-            )
-        self._sum = curve if self._sum is None else self._sum + curve
-        self._count += 1
+        if self._layers is None:
+            self._layers = LayerCurves({0: (self.base, self.values)})
+        self._layers.add(q, k, scale)
         return sel
 
     def end_prompt(self) -> None:
-        self.curves.append(self._sum / self._count)
-        self._sum, self._count = None, 0
+        self.curves.append(self._layers.mean(0))
+        self._layers = None
 
 
 def probe(loaded, prompts, base, knob: float, values, executor: str):
@@ -192,7 +98,8 @@ def probe(loaded, prompts, base, knob: float, values, executor: str):
         with torch.inference_mode():
             for ids in prompts:
                 recorder.reset()
-                loaded.model(input_ids=ids.to(loaded.device), use_cache=False)
+                # the logits of the last position only: a long prompt's full logits would not fit
+                loaded.model(input_ids=ids.to(loaded.device), use_cache=False, logits_to_keep=1)
                 dens.append(recorder.summary()["density_mean"])
                 sweep.end_prompt()
     finally:
@@ -200,125 +107,20 @@ def probe(loaded, prompts, base, knob: float, values, executor: str):
     return np.asarray(dens), np.asarray(sweep.curves)
 
 
-def _grid(selector, lo: float, hi: float, n: int, knob: float) -> list[float]:
-    return sorted(set(knob_grid(selector, lo, hi, n)) | {knob})
-
-
-def _x(v: float, log: bool) -> float:
-    return math.log(v) if log else v
-
-
-def _mid(lo: float, hi: float, log: bool) -> float:
-    return math.sqrt(lo * hi) if log else (lo + hi) / 2
-
-
-def _open(lo: float, hi: float, full: tuple[float, float], log: bool) -> bool:
-    """Whether the bracket [lo, hi] is still wider than MIN_BRACKET of the knob's range."""
-    if log:
-        return math.log(hi / lo) > MIN_BRACKET * math.log(full[1] / full[0])
-    return hi - lo > MIN_BRACKET * (full[1] - full[0])
-
-
-def invert(values, curve, target: float, log: bool) -> float | None:
-    """The knob where the piecewise-linear curve (in log knob for open-ended knobs) first meets
-    `target`, or None when the curve stays on one side of it."""
-    v, c = np.asarray(values, dtype=float), np.asarray(curve, dtype=float) - target
-    hits = np.flatnonzero(c == 0)
-    if len(hits):
-        return float(v[hits[0]])
-    cross = np.flatnonzero(np.sign(c[:-1]) != np.sign(c[1:]))
-    if not len(cross):
-        return None
-    j = cross[0]
-    x0, x1 = _x(v[j], log), _x(v[j + 1], log)
-    x = x0 + (x1 - x0) * c[j] / (c[j] - c[j + 1])
-    return float(math.exp(x) if log else x)
-
-
-def _window(values, curve, target: float, lo: float, hi: float) -> tuple[float, float]:
-    """Where the next short grid goes: two grid steps either side of the curve's crossing of
-    the target, inside the bracket [lo, hi] (the whole bracket when it does not cross)."""
-    c = np.asarray(curve, dtype=float) - target
-    cross = np.flatnonzero((np.sign(c[:-1]) != np.sign(c[1:])) | (c[:-1] == 0))
-    if not len(cross):
-        return lo, hi
-    j = int(cross[0])
-    wlo, whi = values[max(j - 2, 0)], values[min(j + 3, len(values) - 1)]
-    return max(lo, wlo), min(hi, whi)
-
-
 def calibrate_target(loaded, prompts, base, target: float, tol: float, executor: str) -> dict:
     """Find the knob whose in-run mean density over the prompts is within `tol` of `target`."""
-    lo, hi = knob_range(base)
-    log = lo > 0
-    n_values = FINE_GRID if exact_curve_supported(base) else GRID
-    start = knob_value(base)
-    knob = min(max(start if start is not None else _mid(lo, hi, log), lo), hi)
-    values = _grid(base, lo, hi, n_values, knob)
-    blo, bhi, steps = lo, hi, 0
-    near = {}  # side of the target ("below"/"above") -> the closest (knob, per-prompt densities)
-    while steps < MAX_STEPS:
-        dens, curves = probe(loaded, prompts, base, knob, values, executor)
-        steps += 1
-        mean, curve = float(dens.mean()), curves.mean(0)
-        side = "below" if mean < target else "above"
-        if side not in near or abs(mean - target) < abs(near[side][1].mean() - target):
-            near[side] = (knob, dens)
-        if steps == 1 and not curve.min() - tol <= target <= curve.max() + tol:
-            raise UserError(
-                f"{base.name} cannot reach density {target:.4f} here: its knob {base.knob} "
-                f"spans densities {curve.min():.4f}-{curve.max():.4f} on these prompts (the "
-                "forced blocks set the floor, and the knob saturates at its range's ends); pick "
-                "a target in that range"
-            )
-        if abs(mean - target) <= tol:
-            break
-        if (mean > target) == (base.knob_direction < 0):
-            blo = knob  # too dense, and a larger knob keeps fewer (or too sparse, and the reverse)
-        else:
-            bhi = knob
-        if not _open(blo, bhi, (lo, hi), log):
-            break  # the density steps over the target inside a bracket this narrow
-        guess = invert(values, curve, target, log)
-        knob = guess if guess is not None and blo < guess < bhi else _mid(blo, bhi, log)
-        wlo, whi = _window(values, curve, target, blo, bhi) if n_values == GRID else (blo, bhi)
-        values = _grid(base, wlo, whi, n_values, knob)
-    knob, per_prompt = min(near.values(), key=lambda kd: abs(kd[1].mean() - target))
-    error = abs(float(per_prompt.mean()) - target)
-    extra = {}
-    if error > tol:
-        extra["neighbours"] = {
-            side: {"knob": float(near[side][0]), "density_mean": float(near[side][1].mean())}
-            for side in ("below", "above")
-            if side in near
-        }
-        sides = "; ".join(
-            f"{v['density_mean']:.5f} at {base.knob}={v['knob']:.6g}"
-            for v in extra["neighbours"].values()
-        )
-        why = (
-            f"the density steps over the target between {sides}; no knob value gives a "
-            "density in between on these prompts"
-            if not _open(blo, bhi, (lo, hi), log)
-            else f"stopped after {MAX_STEPS} steps; closest on each side: {sides}"
-        )
-        print(
-            f"rbs-bench: warning: {base.name} at density {target:.4f}: closest "
-            f"{per_prompt.mean():.5f} (error {error:.2e} > calibration.tolerance {tol:g}); {why}",
-            file=sys.stderr,
-        )
-    return {
-        "target": float(target),
-        "knob": float(knob),
-        "knob_name": base.knob,
-        "density_mean": float(per_prompt.mean()),
-        "density_p50": float(np.median(per_prompt)),
-        "density_p90": float(np.quantile(per_prompt, 0.9)),
-        "abs_error": error,
-        "steps": steps,
-        "forwards": steps * len(prompts),
-        **extra,
-    }
+    search = KnobSearch(base, target, tol)
+    try:
+        while not search.done:
+            dens, curves = probe(loaded, prompts, base, search.knob, search.values, executor)
+            search.update(dens, curves.mean(0))
+    except Unreachable as e:
+        raise UserError(str(e)) from None
+    warning = search.warning()
+    if warning:
+        print(f"rbs-bench: warning: {warning}", file=sys.stderr)
+    entry = search.result()
+    return entry | {"forwards": entry["steps"] * len(prompts)}
 
 
 # ------------------------------------------------------------------------------------------------

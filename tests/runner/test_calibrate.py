@@ -5,7 +5,7 @@ import yaml
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from rbs_bench import calibrate, config
+from rbs_bench import budget, calibrate, config
 from rbs_bench.config import UserError
 from rbs_bench.runner import Session, build_selector, run_cell
 
@@ -63,9 +63,9 @@ def test_unreachable_target_names_the_range(tmp_path, monkeypatch):
 def test_knob_grid_follows_the_knob_kind():
     from rbs_bench import methods
 
-    geo = calibrate.knob_grid(methods.build("rbs"), 1e-2, 1e2, 5)
+    geo = budget.knob_grid(methods.build("rbs"), 1e-2, 1e2, 5)
     assert geo == pytest.approx([1e-2, 1e-1, 1, 10, 100])
-    lin = calibrate.knob_grid(methods.build("quest"), 0.0, 1.0, 5)
+    lin = budget.knob_grid(methods.build("quest"), 0.0, 1.0, 5)
     assert lin == pytest.approx([0, 0.25, 0.5, 0.75, 1.0])
 
 
@@ -104,8 +104,8 @@ def test_threshold_curve_is_the_selection_density_at_every_knob(name, n, block):
 
     q, k = _qk(n)
     sel = methods.build(name, block_size=block)
-    values = calibrate.knob_grid(sel, 1e-3, calibrate.knob_range(sel)[1], 11)
-    curve = calibrate.threshold_curve(sel, q, k, None, values)
+    values = budget.knob_grid(sel, 1e-3, budget.knob_range(sel)[1], 11)
+    curve = budget.threshold_curve(sel, q, k, None, values)
     direct = [sel.with_knob(v).select(q, k).density() for v in values]
     pairs = q.shape[1] * sel.with_knob(1.0).select(q, k).causal_pairs()
     assert len(set(direct)) > 1  # the knob moves the selection here
@@ -131,11 +131,11 @@ def test_rbs_scale_has_no_step_where_alpha_base_reaches_one():
     d_below, d_above = below.select(q, k).density(), above.select(q, k).density()
     assert d_above == d_below
     assert literal.select(q, k).density() < d_above  # the step the clamp removes, on this input
-    curve = calibrate.threshold_curve(sel, q, k, None, [s_one * (1 - 1e-6), s_one * (1 + 1e-6)])
+    curve = budget.threshold_curve(sel, q, k, None, [s_one * (1 - 1e-6), s_one * (1 + 1e-6)])
     assert curve.tolist() == pytest.approx([d_below, d_above], abs=1e-12)
     # at the range's end each branch keeps exactly its top block: every row past the first
     # keeps the diagonal and at least one more block
-    end = sel.with_knob(calibrate.knob_range(sel)[1]).select(q, k)
+    end = sel.with_knob(budget.knob_range(sel)[1]).select(q, k)
     assert (end.kv_count[..., 1:] >= 2).all()
 
 
@@ -143,34 +143,34 @@ def test_curves_of_other_methods_come_from_selections():
     from rbs_bench import methods
 
     q, k = _qk(512)
-    assert calibrate.threshold_curve(methods.build("quest"), q, k, None, [0.5]) is None
-    assert not calibrate.exact_curve_supported(methods.build("xattn"))
+    assert budget.threshold_curve(methods.build("quest"), q, k, None, [0.5]) is None
+    assert not budget.exact_curve_supported(methods.build("xattn"))
 
 
 def test_invert_meets_the_target_on_the_knob_scale():
     values = [1.0, 10.0, 100.0]
     curve = [0.9, 0.5, 0.1]  # falls linearly in log10(knob)
-    assert calibrate.invert(values, curve, 0.3, log=True) == pytest.approx(10**1.5)
-    assert calibrate.invert([0.0, 0.5, 1.0], [0.2, 0.4, 1.0], 0.7, log=False) == pytest.approx(0.75)
-    assert calibrate.invert(values, curve, 0.5, log=True) == 10.0  # a grid point on the target
-    assert calibrate.invert(values, curve, 0.95, log=True) is None  # never reached
+    assert budget.invert(values, curve, 0.3, log=True) == pytest.approx(10**1.5)
+    assert budget.invert([0.0, 0.5, 1.0], [0.2, 0.4, 1.0], 0.7, log=False) == pytest.approx(0.75)
+    assert budget.invert(values, curve, 0.5, log=True) == 10.0  # a grid point on the target
+    assert budget.invert(values, curve, 0.95, log=True) is None  # never reached
 
 
 def test_next_short_grid_brackets_the_crossing():
     values = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
     curve = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]  # meets 0.55 between 0.4 and 0.5
-    assert calibrate._window(values, curve, 0.55, 0.0, 0.8) == (0.2, 0.7)
-    assert calibrate._window(values, curve, 0.55, 0.3, 0.6) == (0.3, 0.6)  # inside the bracket
-    assert calibrate._window(values, curve, 0.95, 0.0, 0.8) == (0.0, 0.8)  # no crossing
+    assert budget._window(values, curve, 0.55, 0.0, 0.8) == (0.2, 0.7)
+    assert budget._window(values, curve, 0.55, 0.3, 0.6) == (0.3, 0.6)  # inside the bracket
+    assert budget._window(values, curve, 0.95, 0.0, 0.8) == (0.0, 0.8)  # no crossing
 
 
 def test_knob_fields_are_what_the_knob_moves():
     from rbs_bench import methods
 
-    assert calibrate.knob_fields(methods.build("rbs")) == {"alpha_base", "alpha_rescue"}
-    assert calibrate.knob_fields(methods.build("centroid")) == {"alpha"}
-    assert calibrate.knob_fields(methods.build("minference")) == {"ratio"}
-    assert calibrate.knob_value(methods.build("rbs", alpha_base=0.44)) == pytest.approx(2.0)
+    assert budget.knob_fields(methods.build("rbs")) == {"alpha_base", "alpha_rescue"}
+    assert budget.knob_fields(methods.build("centroid")) == {"alpha"}
+    assert budget.knob_fields(methods.build("minference")) == {"ratio"}
+    assert budget.knob_value(methods.build("rbs", alpha_base=0.44)) == pytest.approx(2.0)
 
 
 def _entry(cfg, knob, **extra):
