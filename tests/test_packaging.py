@@ -1,4 +1,5 @@
-"""The wheel carries every module of kernels/ and baselines/ under rbs_bench, and conf/."""
+"""The wheel carries every module of kernels/ and baselines/ under rbs_bench, conf/, and the
+shipped architectures of the rehearsal models."""
 
 import subprocess
 import sys
@@ -40,6 +41,8 @@ def test_wheel_contains_mapped_folders(tmp_path):
             expected.add(f"{package}/{path.relative_to(ROOT / folder).as_posix()}")
     for path in (ROOT / "conf").rglob("*.yaml"):
         expected.add(f"rbs_bench/conf/{path.relative_to(ROOT / 'conf').as_posix()}")
+    for path in (ROOT / "src/rbs_bench/models/architectures").glob("*.json"):
+        expected.add(f"rbs_bench/models/architectures/{path.name}")
     missing = sorted(expected - names)
     assert not missing, f"not in the wheel: {missing}"
     assert not any(n.startswith(("kernels/", "baselines/")) for n in names)  # no top-level names

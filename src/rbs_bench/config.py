@@ -38,6 +38,14 @@ class ModelCfg:
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
     config_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. rope scaling
+    # Seeded random weights of a shipped architecture (models/architectures/<architecture>.json)
+    # and the embedded byte-level tokenizer: rehearsal models (rbs_bench.models.rehearsal).
+    random_init: bool = False
+    architecture: str | None = None
+    seed: int = 0
+    # How, not what: neither changes a prediction, so neither is part of a record's fingerprint.
+    ffn_chunk_tokens: int | None = 16384  # feed-forward blocks run over this many tokens at once
+    device_map: str | None = None  # "auto": spread the layers over every visible GPU (accelerate)
 
 
 @dataclass
@@ -119,7 +127,8 @@ class TimingCfg:
     """`+experiment=speed|memory|throughput|selector_time`: TTFT, prefill attention and memory of
     each method inside a random-weight HF model (rbs_bench.bench.ttft). None: device default."""
 
-    model: str | None = None  # tiny | qwen3_30b_a3b; None: qwen3_30b_a3b on CUDA, tiny elsewhere
+    model: str | None = None  # tiny | qwen3_30b_a3b | qwen3_32b; None: qwen3_30b_a3b on CUDA
+
     layers: int | None = None  # decoder layers; None: 4 (qwen3_30b_a3b) or the tiny model's 2
     contexts: list[int] | None = None  # prompt tokens; None: 32K-128K on CUDA, 1K and 2K on a CPU
     batches: list[int] = field(default_factory=lambda: [1])
@@ -141,6 +150,8 @@ class TimingCfg:
     target: float = 0.05  # measured density each method is calibrated to on the input
     warmup: int = 1  # untimed requests per method before the timed ones
     repeats: int | None = None  # timed requests (median reported); None: 3 on CUDA, 1 on a CPU
+    batch_repeats: int | None = None  # timed requests of batch > 1 rows; None: repeats
+    ffn_chunk_tokens: int | None = 16384  # feed-forward blocks over this many tokens; 0: all
     sdpa_backend: str = "default"  # dense SDPA backend: default | flash | cudnn | efficient | math
     seed: int = 0  # random weights and prompt tokens
     out_dir: str | None = None  # None: <results_dir>/speed

@@ -19,6 +19,7 @@ from typing import Any
 __all__ = [
     "ATTN_IMPL",
     "PrefillRecorder",
+    "cuda_devices",
     "encoder",
     "identity",
     "install",
@@ -30,6 +31,9 @@ __all__ = [
 ]
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Model fields that change how a prediction is computed, not what it is: not in a fingerprint.
+HOW_FIELDS = ("ffn_chunk_tokens", "device_map")
+RANDOM_FIELDS = ("random_init", "architecture", "seed")  # only a random-weight model's identity
 _LAZY = ("ATTN_IMPL", "PrefillRecorder", "install", "uninstall", "register")
 
 
@@ -66,9 +70,13 @@ def load(model_cfg, device="cpu"):
     dtype = model_cfg.dtype if model_cfg.dtype == "auto" else getattr(torch, model_cfg.dtype)
     hf_attention.register()
     device = torch.device(device)
+    if _random_init(model_cfg):
+        model, tokenizer = _load_random(model_cfg, device, dtype)
+        return _finish(model, model_cfg), tokenizer
     kwargs = {"dtype": dtype, "attn_implementation": hf_attention.ATTN_IMPL}
-    if device.type != "cpu":
-        kwargs["device_map"] = str(device)  # load the weights straight onto the accelerator
+    device_map = _device_map(model_cfg, device)
+    if device_map is not None:
+        kwargs["device_map"] = device_map  # load the weights straight onto the accelerator(s)
 
     source, extra = _source(model_cfg)
     try:
@@ -87,13 +95,77 @@ def load(model_cfg, device="cpu"):
             f"cannot load model {str(source)!r} ({reason}); if the hub is out of "
             f"reach, download it and set model.hf_id=/local/path"
         ) from e
-    model = model.to(device).eval()
+    if device_map is None or device_map == str(device):
+        model = model.to(device)
+    return _finish(model.eval(), model_cfg), tokenizer
+
+
+def cuda_devices(model) -> list:
+    """The CUDA devices holding the model's parameters (several under model.device_map=auto)."""
+    return sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
+
+
+def _finish(model, model_cfg):
+    """The harness's settings on a loaded model: feed-forward blocks in token chunks."""
+    from rbs_bench.models.feedforward import chunk_feedforward
+
+    chunk_feedforward(model, getattr(model_cfg, "ffn_chunk_tokens", None))
+    return model
+
+
+def _random_init(model_cfg) -> bool:
+    return bool(getattr(model_cfg, "random_init", False))
+
+
+def _device_map(model_cfg, device) -> str | None:
+    """`model.device_map` ("auto": accelerate spreads the layers over every visible GPU), else
+    the one accelerator the run uses (None on a CPU: the weights load on the host)."""
+    wanted = getattr(model_cfg, "device_map", None)
+    if wanted is not None:
+        if wanted != "auto":
+            raise ValueError(f"model.device_map={wanted!r}; use auto or null")
+        if device.type != "cuda":
+            raise ValueError("model.device_map=auto spreads a model over GPUs; use device=cuda")
+        return "auto"
+    return None if device.type == "cpu" else str(device)
+
+
+def _load_random(model_cfg, device, dtype):
+    """(model, tokenizer) of a rehearsal model: a shipped architecture with seeded random weights
+    built on `device`, and the embedded byte-level tokenizer."""
+    import torch
+
+    from rbs_bench.models import hf_attention, rehearsal, tiny
+
+    if model_cfg.hf_id is not None:
+        raise ValueError(
+            f"model {model_cfg.name!r} sets both random_init and hf_id={model_cfg.hf_id}; a "
+            "random-weight model reads no checkpoint: drop one (e.g. model=qwen3_30b_a3b_random)"
+        )
+    if not model_cfg.architecture:
+        raise ValueError(
+            "model.random_init=true needs model.architecture, one of: "
+            + ", ".join(rehearsal.architectures())
+        )
+    if getattr(model_cfg, "device_map", None) is not None:
+        raise ValueError(
+            "model.device_map with model.random_init is not supported: random weights are built "
+            "on one device; use a GPU that holds the model (python -m rbs_bench.models.memory)"
+        )
+    config = rehearsal.architecture_config(
+        model_cfg.architecture, **_plain(model_cfg.config_overrides)
+    )
+    _check_context(model_cfg, config)
+    dtype = torch.bfloat16 if dtype == "auto" else dtype
+    model = rehearsal.build(config, device, dtype, model_cfg.seed, hf_attention.ATTN_IMPL)
+    tokenizer = tiny.build_tokenizer()
+    tokenizer.model_max_length = model_cfg.max_context
     return model, tokenizer
 
 
 def _embedded(model_cfg) -> str | None:
     """Which embedded model a config loads ("tiny_vl", "tiny_random", "trained"), or None."""
-    if model_cfg.hf_id is not None:
+    if model_cfg.hf_id is not None or _random_init(model_cfg):
         return None
     return model_cfg.name if model_cfg.name in ("tiny_vl", "tiny_random") else "trained"
 
@@ -103,6 +175,10 @@ def weights_digest(model_cfg) -> str | None:
     that loads it; None for any other model (a hub id with its revision, a local path, or a model
     built from code, whose builder version is in its cache name). Run records and calibrations
     carry it, so that results made with other weights under the same model name never mix."""
+    if _random_init(model_cfg):
+        from rbs_bench.models.rehearsal import weights_id
+
+        return weights_id(model_cfg)
     if _embedded(model_cfg) != "trained":
         return None
     from rbs_bench.models import tiny
@@ -116,6 +192,11 @@ def identity(model_cfg) -> dict:
     from omegaconf import OmegaConf
 
     out = OmegaConf.to_container(model_cfg, resolve=True)
+    for key in HOW_FIELDS:
+        out.pop(key, None)
+    if not out.get("random_init"):
+        for key in RANDOM_FIELDS:
+            out.pop(key, None)
     digest = weights_digest(model_cfg)
     return out | {"weights": digest} if digest else out
 

@@ -14,6 +14,7 @@ the selection API uses [B, H, N, D] and the conversion happens only here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -239,11 +240,14 @@ def _check_finite(query: Tensor, key: Tensor, layer: int, rec: PrefillRecorder) 
 def _sparse(state: _State, q: Tensor, k: Tensor, v: Tensor, scale: float | None):
     """(out [B, Hq, N, D], head density [B, Hq], selector s, attention s) of unpadded rows."""
     rec = state.recorder
-    t0 = rec.clock(q)
-    sel = state.selector.select(q, k, scale=scale)
-    t1 = rec.clock(q)
-    out = state.execute(q, k, v, sel, state.executor, scale=scale)
-    t2 = rec.clock(q)
+    # Triton launches on the current device: a layer on another GPU (model.device_map=auto)
+    # must make its own device current
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        t0 = rec.clock(q)
+        sel = state.selector.select(q, k, scale=scale)
+        t1 = rec.clock(q)
+        out = state.execute(q, k, v, sel, state.executor, scale=scale)
+        t2 = rec.clock(q)
     return out, sel.head_density().float(), t1 - t0, t2 - t1
 
 
