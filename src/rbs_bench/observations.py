@@ -766,7 +766,7 @@ def run(cfg, experiment: str) -> Path:
                 probe.begin_prompt()
                 with torch.inference_mode():
                     ids = _input_ids(loaded, s).to(loaded.device)
-                    loaded.model(input_ids=ids, use_cache=False)
+                    loaded.model(input_ids=ids, use_cache=False, logits_to_keep=1)
                 key = {"task": task, "context_length": length, "index": s.index}
                 rec = prompt_record(probe.results, key, time.perf_counter() - t0)
                 rec["input_tokens"] = int(ids.shape[1])

@@ -21,6 +21,8 @@ from rbs_bench.execution import resolve_executor
 from rbs_bench.models.hf_attention import install, uninstall
 from rbs_bench.records import RecordStore, check_fingerprint
 
+MiB = 2**20
+
 
 def cell_dir(cfg: DictConfig, experiment: str) -> Path:
     return (
@@ -112,6 +114,8 @@ class Session:
                 processor = models.load_video_processor(cfg.model, model, tok)
             except ValueError as e:
                 raise UserError(str(e)) from None
+            # inputs go where the embeddings are (the first GPU of a model spread over several)
+            device = model.get_input_embeddings().weight.device
             self._loaded = Loaded(model, tok, device, {}, processor)
             self._model_key = key
         return self._loaded
@@ -177,7 +181,9 @@ def greedy_generate(
     sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    out = model(input_ids=input_ids, use_cache=True, **prefill_inputs)
+    # The last position's logits only: a 128K prompt's full logits (N x vocab) would take more
+    # memory than the KV cache of every layer.
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **prefill_inputs)
     logits = out.logits[:, -1]
     if not torch.isfinite(logits).all():
         raise UserError(
@@ -306,7 +312,7 @@ def _warm_up(loaded: Loaded, sample) -> None:
     from rbs_bench.models.vision import reset_position_state
 
     reset_position_state(loaded.model)
-    loaded.model(**_model_inputs(loaded, sample), use_cache=True)
+    loaded.model(**_model_inputs(loaded, sample), use_cache=True, logits_to_keep=1)
     torch.cuda.synchronize(loaded.device)
 
 
@@ -330,8 +336,18 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
             f"benchmark.context_lengths or lower benchmark.data.num_frames"
         )
     recorder.reset()
+    gpus = models.cuda_devices(loaded.model)
+    for d in gpus:
+        torch.cuda.reset_peak_memory_stats(d)
     new, ttft, total = greedy_generate(loaded.model, ids, sample.max_new_tokens, eos, **inputs)
     stats = recorder.summary()
+    # the whole request (prefill with its cache, then decoding), on the busiest GPU
+    memory = {"peak_allocated_mib": None, "peak_reserved_mib": None}
+    if gpus:
+        memory["peak_allocated_mib"] = round(max(map(torch.cuda.max_memory_allocated, gpus)) / MiB)
+        memory["peak_reserved_mib"] = round(max(map(torch.cuda.max_memory_reserved, gpus)) / MiB)
+        if len(gpus) > 1:
+            memory["gpus"] = len(gpus)
     pred = loaded.tokenizer.decode(new, skip_special_tokens=True)
     return {
         "experiment": experiment,
@@ -356,6 +372,8 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
         "score": bench.score_one(sample.task, pred, sample.references),
         "ttft_s": round(ttft, 6),
         "generate_s": round(total, 6),
+        "decode_s": round(total - ttft, 6),
+        **memory,
         "selector_s": round(stats["selector_s"], 6),
         "attention_s": round(stats["attention_s"], 6),
         "new_tokens": len(new),
