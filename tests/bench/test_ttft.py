@@ -85,13 +85,17 @@ def test_captured_first_layer_gives_the_in_run_selection(tiny):
     # must give the density the recorder measures for layer 0 while the method runs.
     s, lm = tiny
     ids = ids_for(s, lm, 640)
-    q, k = ttft.capture_qk(lm, ids)
-    assert q.shape == (s.layers, lm.heads, 640, lm.head_dim)
-    assert k.shape == (s.layers, lm.kv_heads, 640, lm.head_dim)
+    seen = []
+    ttft.dense_prefill(lm, ids, lambda q, k, scale: seen.append((q, k, scale)))
+    assert len(seen) == s.layers  # each layer handed over once, as the prefill reaches it
+    q, k, scale = seen[0]
+    assert q.shape == (1, lm.heads, 640, lm.head_dim)
+    assert k.shape == (1, lm.kv_heads, 640, lm.head_dim)
+    assert scale == pytest.approx(lm.head_dim**-0.5)
     # 10 blocks of 64 and one forced block per row: most pairs are left to the rule
     fields = dict(ratio=0.3, block_size=64, sink_blocks=0, window_blocks=1, last_q_blocks=0)
     selector = methods.build("quest", impl="torch", **fields)
-    want = selector.select(q[:1], k[:1]).head_density()[0]
+    want = selector.select(q, k).head_density()[0]
     assert 0 < float(want.mean()) < 1
     rec = install(lm.model, selector, "reference")
     try:
@@ -101,6 +105,30 @@ def test_captured_first_layer_gives_the_in_run_selection(tiny):
         uninstall(lm.model)
     got = torch.tensor(rec.summary()["density_layers_heads"][0], dtype=want.dtype)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_calibration_streams_the_layers_and_meets_the_target_or_flags_the_floor(tmp_path):
+    s = settings(tmp_path, target=0.6)
+    lm = ttft.build_model(s)
+    ids = ids_for(s, lm, 4096)  # 32 blocks of 128: the forced blocks keep about 45% of pairs
+    layers = []
+    ttft.dense_prefill(lm, ids, lambda q, k, scale: layers.append((q, k, scale)))
+    # rbs's exact curve: one prefill gives the knob; xattn's grid: a few prefills
+    got = ttft.calibrate_methods(s, lm, ids, ["rbs", "xattn"], {"rbs"})
+    for name in ("rbs", "xattn"):
+        cal = got[name]
+        assert cal.target_reached and abs(cal.calibration_density - 0.6) <= ttft.CALIBRATION_TOL
+        sel = methods.build(name, **cal.fields)
+        mean = sum(sel.select(q, k, scale=c).density() for q, k, c in layers) / len(layers)
+        assert mean == pytest.approx(cal.calibration_density, abs=1e-9)
+    assert got["rbs"].selector_workspace_mib > 0 and got["xattn"].selector_workspace_mib is None
+    # 5% is below the forced blocks alone: the closest density (the sparsest end), flagged
+    low = ttft.calibrate_methods(settings(tmp_path, target=0.05), lm, ids, ["rbs"], set())["rbs"]
+    floor = methods.build("rbs").with_knob(1 / 0.18)
+    want = sum(floor.select(q, k, scale=c).density() for q, k, c in layers) / len(layers)
+    assert not low.target_reached
+    assert low.calibration_density == pytest.approx(want, abs=1e-9)
+    assert want > 0.05 + ttft.CALIBRATION_TOL
 
 
 @pytest.mark.parametrize("name", ["rbs", "full_l2", "centroid", "flashprefill", "quest"])
@@ -141,18 +169,6 @@ def test_selector_workspace_excludes_the_selection():
     sel = selector.select(q, k)
     assert index * ttft.MiB == ttft._tensor_bytes(sel)
     assert ws > 0
-
-
-def test_calibrate_to_hits_a_reachable_target_and_stops_at_the_forced_floor():
-    from rbs_bench import synthetic
-
-    data = synthetic.generate(seq_len=4096, seed=1)  # 32 blocks: forced ones are about 45%
-    sel, density = ttft.calibrate_to("rbs", data.q, data.k, 0.6)
-    assert abs(density - 0.6) <= ttft.CALIBRATION_TOL
-    assert sel.select(data.q, data.k).density() == pytest.approx(density)
-    sel, density = ttft.calibrate_to("rbs", data.q, data.k, 0.05)
-    floor = methods.build("rbs").with_knob(1e3).select(data.q, data.k).density()
-    assert density == floor > 0.05 + ttft.CALIBRATION_TOL
 
 
 def test_resolve_fills_cpu_defaults_and_rejects_bad_input(tmp_path):
@@ -204,7 +220,7 @@ def test_run_writes_every_column_resumes_and_reuses_calibration(tmp_path, capsys
     first = ttft.run(s)
     assert len(first) == 2 and s.figure.stat().st_size > 10_000
     # batch 2 added later: only its rows run, with the recorded batch-1 calibration (no capture)
-    monkeypatch.setattr(ttft, "capture_qk", lambda *a: pytest.fail("captured again"))
+    monkeypatch.setattr(ttft, "dense_prefill", lambda *a: pytest.fail("calibrated again"))
     s = settings(tmp_path, batches=[1, 2])
     df = ttft.run(s)
     assert len(df) == 4 and set(df["status"]) == {"ok"}

@@ -4,24 +4,29 @@
     python -m rbs_bench.bench.ttft --methods dense rbs --contexts 131072 --out /tmp/ttft
     python -m rbs_bench +experiment=speed             # or memory, throughput, selector_time
 
-Model. On CUDA, a Qwen3-30B-A3B-shaped MoE built from `QWEN3_30B_A3B` (the real model's config
-values) with random weights and `--layers` decoder layers (default 4 of 48), bf16. On a CPU, the
-embedded tiny Qwen3 (`rbs_bench.models.tiny`, 2 layers, fp32). Timing needs no trained weights: a
-prefill's cost depends on the shapes and on how many blocks each method keeps, and calibration
-fixes the latter on this input. Every table states the model and its layer count.
+Model. On CUDA, a Qwen3-30B-A3B-shaped MoE (`--model qwen3_30b_a3b`, the real model's config.json
+shipped in `rbs_bench/models/architectures/`; or `--model qwen3_32b`, the dense 64-layer model with
+YaRN to 128K) with random weights and `--layers` decoder layers (default 4; the full depth is 48
+and 64), bf16. On a CPU, the embedded tiny Qwen3 (`rbs_bench.models.tiny`, 2 layers, fp32). Timing
+needs no trained weights: a prefill's cost depends on the shapes and on how many blocks each method
+keeps, and calibration fixes the latter on this input. Every table states the model and its layer
+count. Feed-forward blocks run over `--ffn-chunk-tokens` tokens at a time (16384;
+`rbs_bench.models.feedforward`): unchunked, the MoE's intermediates alone take 18 GiB at 128K.
 
 Per context N (default 32K/64K/96K/128K on CUDA, 1K/2K on a CPU), largest first:
-1. Calibration. One dense prefill of the seeded random prompt captures every layer's post-RoPE
-   Q/K. Each method's knob is bisected to `--target` (5%) measured density over the captured
-   layers and heads (`rbs_bench.bench.attention.calibrate`, layers stacked on the batch axis). A
-   method that cannot reach it (at short N its forced blocks alone exceed 5%) keeps its closest
-   density, the knob's sparsest end, and is flagged (`target_reached` False). The same capture
-   gives each method's block statistics and selector workspace on one layer. The density that
-   the timed prefill measures can differ a little: its later layers see sparse layers' outputs.
+1. Calibration. Dense prefills of the seeded random prompt, each layer scored as the prefill
+   reaches it and then dropped (`calibrate_methods`: every method still searching scores the
+   layer at once, and `rbs_bench.budget.KnobSearch` picks its next knob from the mean over
+   layers), until each method's density is within 0.002 of `--target` (5%): exact threshold
+   curves settle in one prefill, the other methods' short grids in a few. A method that cannot
+   reach it (at short N its forced blocks alone exceed 5%) keeps its closest density, the knob's
+   sparsest end, and is flagged (`target_reached` False). The first layer's Q/K give each
+   method's block statistics and selector workspace. The density that the timed prefill
+   measures can differ a little: its later layers see sparse layers' outputs.
 2. Timing, per method (dense first) and batch size: `--warmup` untimed requests, then `--repeats`
-   timed ones; the CSV holds their median. Batches > 1 run after every batch-1 row, at
-   `--batch-contexts`, with the batch-1 knob (also when read back from the CSV); each sequence
-   of a batch is selected and attended on its own.
+   timed ones (`--batch-repeats` for batches > 1); the CSV holds their median. Batches > 1 run
+   after every batch-1 row, at `--batch-contexts`, with the batch-1 knob (also when read back
+   from the CSV); each sequence of a batch is selected and attended on its own.
 
 Columns (times in ms; CUDA events on a GPU, perf_counter on a CPU):
 - ttft_ms: request to first generated token on the host: prompt ids to the device, prefill
@@ -56,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -74,6 +80,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
 from rbs_bench import methods
+from rbs_bench.budget import knob_value
 from rbs_bench.config import TimingCfg, UserError
 from rbs_bench.models.hf_attention import (
     attention_modules,
@@ -86,39 +93,24 @@ from rbs_bench.records import write_atomic
 MiB = 2**20
 TIMED_IMPL = "rbs_timed"  # our attention function around rbs_sparse / SDPA, registered below
 _PROBE = "_rbs_timing_probe"  # attribute on each attention module
-MODELS = ("tiny", "qwen3_30b_a3b")
+# tiny: the embedded tiny Qwen3; the others: a shipped architecture (rbs_bench.models.rehearsal,
+# the real model's config.json) with random weights and --layers of its decoder layers.
+MODELS = ("tiny", "qwen3_30b_a3b", "qwen3_32b")
 SDPA_BACKENDS = ("default", "flash", "cudnn", "efficient", "math")
-CALIBRATION_TOL = 0.002  # absolute density error at which the bisection stops
+CALIBRATION_TOL = 0.002  # absolute density error at which the knob search stops
 # The paper's prompt-throughput table compares these methods at batch 1 and 4.
 THROUGHPUT_METHODS = ["dense", "flashprefill", "minference", "rbs", "xattn", "flexprefill", "quest"]
-
-# Qwen3MoeConfig kwargs of Qwen/Qwen3-30B-A3B-Instruct-2507 (config.json on the Hugging Face hub;
-# the paper's Qwen3-30B-A3B-Instruct-2507-FP8 checkpoint has the same architecture). Only
-# num_hidden_layers is changed, by --layers.
-QWEN3_30B_A3B: dict = {
-    "vocab_size": 151936,
-    "hidden_size": 2048,
-    "intermediate_size": 6144,
-    "num_hidden_layers": 48,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 262144,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0},
-    "rms_norm_eps": 1e-6,
-    "attention_bias": False,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "moe_intermediate_size": 768,
-    "norm_topk_prob": True,
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "tie_word_embeddings": False,
-    "use_sliding_window": False,
-    "initializer_range": 0.02,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
+# Qwen3-32B reaches 128K through YaRN (conf/model/qwen3_32b.yaml); the MoE natively.
+ARCH_OVERRIDES = {
+    "qwen3_32b": {
+        "max_position_embeddings": 131072,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 1000000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 32768,
+        },
+    }
 }
 
 # What an unset TimingCfg field means on each device.
@@ -138,8 +130,8 @@ DEVICE_DEFAULTS = {
         "time_budget_s": None,
     },
 }
-DEFAULT_LAYERS = {"qwen3_30b_a3b": 4}  # tiny: its own 2
-MODEL_DTYPES = {"qwen3_30b_a3b": "bfloat16", "tiny": "float32"}
+DEFAULT_LAYERS = {"qwen3_30b_a3b": 4, "qwen3_32b": 4}  # tiny: its own 2
+MODEL_DTYPES = {"qwen3_30b_a3b": "bfloat16", "qwen3_32b": "bfloat16", "tiny": "float32"}
 
 
 @dataclass
@@ -157,6 +149,8 @@ class Settings:
     target: float
     warmup: int
     repeats: int
+    batch_repeats: int  # timed requests of a row at batch > 1
+    ffn_chunk_tokens: int | None  # feed-forward blocks over this many tokens at once (None: all)
     executor: str
     sdpa_backend: str
     seed: int
@@ -195,13 +189,13 @@ def resolve(
     model = pick("model")
     if model not in MODELS:
         raise UserError(f"timing.model={model!r}; valid: {', '.join(MODELS)}")
-    if model == "qwen3_30b_a3b" and dev.type != "cuda":
+    if model != "tiny" and dev.type != "cuda":
         raise UserError(
-            "timing.model=qwen3_30b_a3b needs a CUDA device (its 32K-128K prompts would take "
+            f"timing.model={model} needs a CUDA device (its 32K-128K prompts would take "
             "hours on a CPU); use timing.model=tiny"
         )
     layers = tc.layers if tc.layers is not None else DEFAULT_LAYERS.get(model, _tiny_layers())
-    max_layers = QWEN3_30B_A3B["num_hidden_layers"] if model == "qwen3_30b_a3b" else 64
+    max_layers = _full_depth(model) if model != "tiny" else 64
     if not 1 <= layers <= max_layers:
         raise UserError(f"timing.layers={layers}; use 1-{max_layers}")
     contexts = sorted({int(n) for n in pick("contexts")}, reverse=True)
@@ -222,8 +216,15 @@ def resolve(
     if not 0 < tc.target <= 1:
         raise UserError(f"timing.target={tc.target}; a measured density in (0, 1], e.g. 0.05")
     repeats = pick("repeats")
-    if tc.warmup < 0 or repeats < 1:
-        raise UserError(f"timing.warmup={tc.warmup}, repeats={repeats}: need warmup >= 0, >= 1")
+    batch_repeats = repeats if tc.batch_repeats is None else tc.batch_repeats
+    if tc.warmup < 0 or repeats < 1 or batch_repeats < 1:
+        raise UserError(
+            f"timing.warmup={tc.warmup}, repeats={repeats}, batch_repeats={batch_repeats}: "
+            "need warmup >= 0 and repeats >= 1"
+        )
+    chunk = tc.ffn_chunk_tokens or None
+    if chunk is not None and chunk < 1:
+        raise UserError(f"timing.ffn_chunk_tokens={chunk}: a positive number, or 0 for unchunked")
     if tc.sdpa_backend not in SDPA_BACKENDS:
         raise UserError(
             f"timing.sdpa_backend={tc.sdpa_backend!r}; valid: {', '.join(SDPA_BACKENDS)}"
@@ -246,6 +247,8 @@ def resolve(
         target=float(tc.target),
         warmup=int(tc.warmup),
         repeats=int(repeats),
+        batch_repeats=int(batch_repeats),
+        ffn_chunk_tokens=chunk,
         executor=executor,
         sdpa_backend=tc.sdpa_backend,
         seed=int(tc.seed),
@@ -261,10 +264,21 @@ def _tiny_layers() -> int:
     return TINY_CONFIG["num_hidden_layers"]
 
 
+def _arch(model: str) -> dict:
+    """The config.json fields of a shipped architecture, with the harness's context overrides."""
+    from rbs_bench.models.rehearsal import architecture_fields
+
+    return {**architecture_fields(model), **ARCH_OVERRIDES.get(model, {})}
+
+
+def _full_depth(model: str) -> int:
+    return _arch(model)["num_hidden_layers"]
+
+
 def _max_positions(model: str) -> int:
     from rbs_bench.models.tiny import TINY_CONFIG
 
-    cfg = QWEN3_30B_A3B if model == "qwen3_30b_a3b" else TINY_CONFIG
+    cfg = TINY_CONFIG if model == "tiny" else _arch(model)
     return cfg["max_position_embeddings"]
 
 
@@ -295,12 +309,12 @@ class Clock:
 
 @dataclass
 class Probe:
-    """Spans of one request's prefill attention and selector calls; optionally keeps each layer's
-    (query, key) for calibration."""
+    """Spans of one request's prefill attention and selector calls; optionally hands each
+    layer's (query, key, scale) to `on_layer` as the prefill reaches it (calibration)."""
 
     clock: Clock
     spans: dict[str, list] = field(default_factory=lambda: {"attention": [], "selector": []})
-    capture: list | None = None
+    on_layer: object = None
 
     def reset(self) -> None:
         for v in self.spans.values():
@@ -322,8 +336,8 @@ def timed_attention_forward(
     probe: Probe | None = getattr(module, _PROBE, None)
     if probe is None or query.shape[2] != key.shape[2] or query.shape[2] == 1:
         return rbs_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if probe.capture is not None:
-        probe.capture.append((query, key))  # [B, Hq, N, D], [B, Hkv, N, D] after RoPE
+    if probe.on_layer is not None:  # [B, Hq, N, D], [B, Hkv, N, D] after RoPE
+        probe.on_layer(query, key, kwargs.get("scaling"))
     start = probe.clock.mark()
     out = rbs_attention_forward(module, query, key, value, attention_mask, **kwargs)
     probe.span("attention", start)
@@ -374,30 +388,32 @@ class Loaded:
 def build_model(s: Settings, overrides: dict | None = None) -> Loaded:
     """The random-weight model of `s` on its device, with `rbs_timed` attention and a probe on
     every attention module. `overrides` change config fields (tests shrink the MoE with it)."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    from rbs_bench.models import tiny
+    from rbs_bench.models import rehearsal, tiny
+    from rbs_bench.models.feedforward import chunk_feedforward
 
     register_timed()
     torch.manual_seed(s.seed)
-    if s.model == "qwen3_30b_a3b":
-        cfg = Qwen3MoeConfig(
-            **{**QWEN3_30B_A3B, "num_hidden_layers": s.layers, **(overrides or {})}
-        )
-        dtype = getattr(torch, MODEL_DTYPES[s.model])
-        with torch.device(s.device):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    dtype = getattr(torch, MODEL_DTYPES[s.model])
+    if s.model != "tiny":
+        fields = {"num_hidden_layers": s.layers, **ARCH_OVERRIDES.get(s.model, {})}
+        cfg = rehearsal.architecture_config(s.model, **fields, **(overrides or {}))
+        model = rehearsal.build(cfg, s.device, dtype, s.seed, "sdpa")
+        shape = f"{cfg.num_attention_heads}/{cfg.num_key_value_heads} heads of {cfg.head_dim}"
+        if getattr(cfg, "num_experts", 0):
+            kind = f"MoE (hidden {cfg.hidden_size}, {shape}, {cfg.num_experts} experts top-"
+            kind += f"{cfg.num_experts_per_tok})"
+        else:
+            kind = f"dense (hidden {cfg.hidden_size}, {shape}, MLP {cfg.intermediate_size})"
+        name = {"qwen3_30b_a3b": "Qwen3-30B-A3B", "qwen3_32b": "Qwen3-32B"}[s.model]
         what = (
-            f"Qwen3-30B-A3B-shaped MoE (hidden {cfg.hidden_size}, {cfg.num_attention_heads}/"
-            f"{cfg.num_key_value_heads} heads of {cfg.head_dim}, {cfg.num_experts} experts top-"
-            f"{cfg.num_experts_per_tok}), random weights, {s.layers} of "
-            f"{QWEN3_30B_A3B['num_hidden_layers']} layers, bf16"
+            f"{name}-shaped {kind}, random weights, {s.layers} of {_full_depth(s.model)} "
+            "layers, bf16"
         )
     else:
         cfg = tiny.tiny_config(num_hidden_layers=s.layers, **(overrides or {}))
-        dtype = getattr(torch, MODEL_DTYPES[s.model])
         model = tiny.build_model(cfg).to(s.device)
         what = f"tiny Qwen3 (rbs_bench.models.tiny), random weights, {s.layers} layers, fp32"
+    chunk_feedforward(model, s.ffn_chunk_tokens)
     model.eval()
     model.set_attn_implementation(TIMED_IMPL)
     probe = Probe(Clock(s.device))
@@ -466,19 +482,16 @@ def request(lm: Loaded, ids: Tensor) -> dict:
     return {"ttft_ms": clock.ms(t0, t1), "decode_ms": clock.ms(t1, t2), **probe.totals()}
 
 
-def capture_qk(lm: Loaded, ids: Tensor) -> tuple[Tensor, Tensor]:
-    """q [L, Hq, N, D], k [L, Hkv, N, D]: every layer's post-RoPE Q/K in a dense prefill of one
-    prompt ids [1, N], the layers stacked on the batch axis."""
-    lm.probe.capture = []
+def dense_prefill(lm: Loaded, ids: Tensor, on_layer) -> None:
+    """One dense prefill of ids [1, N] without a cache, handing every layer's post-RoPE
+    (query, key, scale) to `on_layer` as the prefill reaches it; nothing is kept beyond what
+    `on_layer` keeps."""
+    lm.probe.on_layer = on_layer
     try:
         with torch.inference_mode():
             lm.model(input_ids=ids.to(lm.device), use_cache=False, logits_to_keep=1)
-        pairs, lm.probe.capture = lm.probe.capture, None
-        q = torch.cat([p[0] for p in pairs])
-        k = torch.cat([p[1] for p in pairs])
     finally:
-        lm.probe.capture = None
-    return q, k
+        lm.probe.on_layer = None
 
 
 def _tensor_bytes(obj) -> int:
@@ -571,71 +584,86 @@ class Calibrated:
     selection_mib: float | None = None
 
 
-def calibrate_to(name: str, q: Tensor, k: Tensor, target: float):
-    """(selector, density) of `name` calibrated to `target` on q/k (layers on the batch axis).
-
-    When the knob's sparsest end already exceeds the target (the forced blocks alone do), that
-    end is the closest reachable selection and the bisection is skipped."""
-    from rbs_bench.bench.attention import calibrate
-
-    base = methods.build(name)
-    lo, hi = getattr(base, "knob_range", (1e-4, 1e3))  # as attention.calibrate searches
-    sparsest = base.with_knob(hi if base.knob_direction < 0 else lo)
-    floor = sparsest.select(q, k).density()
-    if floor > target + CALIBRATION_TOL:
-        return sparsest, floor
-    return calibrate(name, q, k, target, tol=CALIBRATION_TOL)
-
-
 def calibrate_methods(
     s: Settings, lm: Loaded, ids: Tensor, names: list[str], measure: set[str]
 ) -> dict[str, Calibrated]:
-    """Capture the dense prefill's Q/K once; calibrate each method in `names` to the target and,
-    for those in `measure`, take block statistics and selector workspace on the first layer."""
-    q, k = capture_qk(lm, ids)
+    """Each method in `names` calibrated to the target on one prompt's dense prefill; for those
+    in `measure`, block statistics and selector workspace on the first layer.
+
+    Every step is one dense prefill in which each layer is scored as it runs, for all methods
+    still searching at once (`budget.LayerCurves`), and each method's `budget.KnobSearch` takes
+    its next knob from the mean over layers; no layer's Q/K outlives its layer, except the first
+    layer's, which the workspace measures need. A method that cannot reach the target (at short
+    N its forced blocks alone exceed it) ends at its closest density and is flagged."""
+    from rbs_bench.budget import KnobSearch, LayerCurves
+
+    searches = {
+        m: KnobSearch(methods.build(m), s.target, CALIBRATION_TOL, closest=True) for m in names
+    }
+    first: list = []
+    while pending := [m for m, search in searches.items() if not search.done]:
+        curves = LayerCurves({m: (searches[m].base, searches[m].values) for m in pending})
+        failed: dict[str, Exception] = {}
+        keep = first if measure and not first else None
+        on_layer = functools.partial(_score_layer, curves, pending, failed, keep)
+        try:
+            dense_prefill(lm, ids, on_layer)
+        finally:
+            _release(lm.device)
+        for m in pending:
+            search = searches[m]
+            if m in failed:
+                e = failed[m]
+                tqdm.write(f"ttft: calibrating {m}: {type(e).__name__}: {e}", file=sys.stderr)
+                del searches[m]
+                continue
+            curve = curves.mean(m)
+            search.update([curve[search.values.index(search.knob)]], curve)
     out = {}
     try:
-        for name in names:
-            try:
-                out[name] = _calibrate_one(s, name, q, k, name in measure)
-            except (KeyboardInterrupt, UserError):
-                raise
-            except Exception as e:  # e.g. out of memory: that method's rows fail, not the run
-                tqdm.write(f"ttft: calibrating {name}: {type(e).__name__}: {e}", file=sys.stderr)
-                _release(lm.device)
+        for name, search in searches.items():
+            res = search.result()
+            selector = search.base.with_knob(res["knob"])
+            cal = Calibrated(
+                fields=selector.fields(),
+                knob=knob_value(selector),
+                calibration_density=res["density_mean"],
+                target_reached=search.reached and res["abs_error"] <= CALIBRATION_TOL,
+            )
+            if name in measure and first:
+                _measure(cal, selector, *first[0])
+            out[name] = cal
     finally:
-        del q, k
+        first.clear()
         _release(lm.device)
     return out
 
 
-def knob_value(selector) -> float | None:
-    """The value of the selector's calibration knob (rbs: the scale s of its default alphas)."""
-    value = getattr(selector, selector.knob, None)
-    if value is None and selector.name == "rbs":
-        from rbs_bench.methods.rbs import ALPHA_BASE
+def _score_layer(curves, names: list[str], failed: dict, keep: list | None, q, k, scale) -> None:
+    """One layer of a calibration prefill: each method's density curve on it (a method that
+    fails, e.g. out of memory, is set aside with its error); the first layer's q/k go to `keep`."""
+    if keep is not None and not keep:
+        keep.append((q, k))
+    for m in names:
+        if m in failed:
+            continue
+        try:
+            curves.add_one(m, q, k, scale)
+        except (KeyboardInterrupt, UserError):
+            raise
+        except Exception as e:  # that method's rows fail, not the run
+            failed[m] = e
+    curves.next_layer()
 
-        value = selector.alpha_base / ALPHA_BASE
-    return float(value) if isinstance(value, (int, float)) else None
 
-
-def _calibrate_one(s: Settings, name: str, q: Tensor, k: Tensor, measure: bool) -> Calibrated:
-    selector, density = calibrate_to(name, q, k, s.target)
-    cal = Calibrated(
-        fields=selector.fields(),
-        knob=knob_value(selector),
-        calibration_density=float(density),
-        target_reached=abs(density - s.target) <= CALIBRATION_TOL,
-    )
-    if measure:
-        q1, k1 = q[:1], k[:1]
-        parts = block_statistics(selector, k1)
-        if parts is not None:
-            cal.block_stats_mib = _tensor_bytes([t for _, t in parts]) / MiB
-            cal.block_stats = describe_stats(parts)
-            del parts
-        cal.selector_workspace_mib, cal.selection_mib = selector_memory(selector, q1, k1)
-    return cal
+def _measure(cal: Calibrated, selector, q: Tensor, k: Tensor) -> None:
+    """Block statistics and selector workspace of one layer's q/k into `cal`."""
+    parts = block_statistics(selector, k)
+    if parts is not None:
+        cal.block_stats_mib = _tensor_bytes([t for _, t in parts]) / MiB
+        cal.block_stats = describe_stats(parts)
+        del parts
+    cal.selector_workspace_mib, cal.selection_mib = selector_memory(selector, q, k)
 
 
 def _release(device: torch.device) -> None:
@@ -665,7 +693,7 @@ def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, cal: Calibrated | 
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             runs = []
-            for _ in range(s.repeats):
+            for _ in range(s.repeats if ids.shape[0] == 1 else s.batch_repeats):
                 if recorder is not None:
                     recorder.reset()
                 runs.append(request(lm, ids))
@@ -702,13 +730,20 @@ def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, cal: Calibrated | 
 # ------------------------------------------------------------------------------------------------
 # The run: plan, resume, calibrate, time, write.
 
-KEY = ("model", "layers", "dtype", "batch", "n", "method", "target")
+KEY = ("model", "layers", "dtype", "batch", "n", "method", "target", "ffn_chunk_tokens")
+
+
+def _chunk_key(value) -> int:
+    """ffn_chunk_tokens as a key: 0 for unchunked (None, or a row written before the column)."""
+    return 0 if value is None or pd.isna(value) else int(value)
 
 
 def row_key(r: dict) -> tuple:
     return tuple(
         float(r[k])
         if k == "target"
+        else _chunk_key(r.get(k))
+        if k == "ffn_chunk_tokens"
         else (int(r[k]) if k in ("layers", "batch", "n") else str(r[k]))
         for k in KEY
     )
@@ -730,7 +765,10 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     df = df.drop(columns=["ttft_speedup", "attention_speedup"], errors="ignore")
     if df.empty:
         return df
-    keys = ["model", "layers", "dtype", "batch", "n"]
+    # rows from before the column ran their feed-forward blocks unchunked: 0
+    chunk = df["ffn_chunk_tokens"] if "ffn_chunk_tokens" in df else pd.Series(0, index=df.index)
+    df["ffn_chunk_tokens"] = chunk.fillna(0).astype(int)
+    keys = ["model", "layers", "dtype", "batch", "n", "ffn_chunk_tokens"]
     ok = df["status"] == "ok"
     dense = df[ok & (df["method"] == "dense")].drop_duplicates(keys, keep="last")
     dense = dense[keys + ["ttft_ms", "attention_ms"]].rename(
@@ -807,6 +845,7 @@ def run(s: Settings) -> pd.DataFrame:
     rows = load_rows(s.csv)
     done = {row_key(r) for r in rows}
     common = {"model": s.model, "layers": s.layers, "dtype": MODEL_DTYPES[s.model]}
+    common["ffn_chunk_tokens"] = s.ffn_chunk_tokens or 0
 
     def key(b, n, m):
         return row_key({**common, "batch": b, "n": n, "method": m, "target": _target(s, m)})
@@ -880,7 +919,7 @@ def run(s: Settings) -> pd.DataFrame:
             knob_name=methods.method_class(name).knob or "",
             experts_impl=_experts_impl(lm.model.config),
             warmup=s.warmup,
-            repeats=s.repeats,
+            repeats=s.repeats if b == 1 else s.batch_repeats,
             **versions,
             run=run_id,
             seconds=round(time.perf_counter() - t0, 2),
@@ -1040,6 +1079,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", type=float, default=d.target)
     ap.add_argument("--warmup", type=int, default=d.warmup)
     ap.add_argument("--repeats", type=int, help="timed requests per row (default 3; CPU 1)")
+    ap.add_argument("--batch-repeats", type=int, help="timed requests of batch > 1 rows")
+    ap.add_argument(
+        "--ffn-chunk-tokens",
+        type=int,
+        default=d.ffn_chunk_tokens,
+        help="feed-forward blocks over this many tokens at once (0: all at once)",
+    )
     ap.add_argument("--executor", default="auto")
     ap.add_argument("--sdpa-backend", default=d.sdpa_backend, choices=SDPA_BACKENDS)
     ap.add_argument("--seed", type=int, default=d.seed)
@@ -1063,6 +1109,8 @@ def main(argv: list[str] | None = None) -> int:
         target=args.target,
         warmup=args.warmup,
         repeats=args.repeats,
+        batch_repeats=args.batch_repeats,
+        ffn_chunk_tokens=args.ffn_chunk_tokens,
         sdpa_backend=args.sdpa_backend,
         seed=args.seed,
         time_budget_s=args.time_budget_s,
