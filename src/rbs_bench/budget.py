@@ -306,8 +306,12 @@ class KnobSearch:
         }
         if error > self.tol and self.stop_reason != "unreachable":
             out["neighbours"] = {
-                side: {"knob": float(knob), "density_mean": float(dens.mean())}
-                for side, (knob, dens) in self.near.items()
+                side: {
+                    "knob": float(self.near[side][0]),
+                    "density_mean": float(self.near[side][1].mean()),
+                }
+                for side in ("below", "above")
+                if side in self.near
             }
         return out
 

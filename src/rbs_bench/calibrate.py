@@ -44,6 +44,7 @@ from rbs_bench.budget import KnobSearch, LayerCurves, Unreachable, knob_fields
 from rbs_bench.config import (
     CONFIG_MODULE,
     UserError,
+    out_of_time,
     preflight,
     register_schemas,
     report_user_errors,
@@ -319,8 +320,14 @@ def run(cfg: DictConfig) -> None:
     ]
     session = Session()
     done = 0
-    for cell in cells:
+    for i, cell in enumerate(cells):
         validate(cell)
+        if out_of_time(cell):
+            print(
+                f"time_budget_s={cell.time_budget_s:g} reached with {len(cells) - i} cells left; "
+                "rerun the same command to continue (finished calibrations are kept)"
+            )
+            return
         done += calibrate_cell(cell, session) is not None
     if not done:
         raise UserError(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
@@ -25,6 +26,15 @@ GROUPS = ("model", "method", "benchmark", "budget", "calibration", "logger", "ex
 
 class UserError(Exception):
     """Bad input: printed as one line (what to change), never as a traceback."""
+
+
+_STARTED = time.monotonic()  # near enough the process's start: every entry point imports this
+
+
+def out_of_time(cfg) -> bool:
+    """Whether the run's `time_budget_s` (seconds since the process started) is spent."""
+    budget = cfg.get("time_budget_s")
+    return budget is not None and time.monotonic() - _STARTED > budget
 
 
 @dataclass
@@ -171,6 +181,9 @@ class RunCfg:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     executor: str = "auto"  # sparse executor: auto | reference | flex
     progress: bool = True
+    # Start no new sample (runs) or calibration (rbs_bench.calibrate) once this many seconds have
+    # passed since the process started; rerunning the command continues where it stopped.
+    time_budget_s: float | None = None
     observations: ObservationsCfg | None = None  # set by +experiment=observations
     timing: TimingCfg | None = None  # set by +experiment=speed|memory|throughput|selector_time
 

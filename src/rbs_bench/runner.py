@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from rbs_bench import benchmarks, methods, models
-from rbs_bench.config import UserError
+from rbs_bench.config import UserError, out_of_time
 from rbs_bench.execution import resolve_executor
 from rbs_bench.models.hf_attention import install, uninstall
 from rbs_bench.records import RecordStore, check_fingerprint
@@ -264,6 +264,13 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
     warmed = set()
     try:
         for sample, length in bar:
+            if out_of_time(cfg):
+                bar.close()
+                print(
+                    f"{label}: time_budget_s={cfg.time_budget_s:g} reached; rerun the same "
+                    "command to continue (finished samples are kept)"
+                )
+                break
             if loaded.device.type == "cuda" and length not in warmed:
                 _warm_up(loaded, sample)  # compile/autotune outside the timed region
                 warmed.add(length)
@@ -378,6 +385,7 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
         "attention_s": round(stats["attention_s"], 6),
         "new_tokens": len(new),
         "device": str(loaded.device),
+        "gpu": torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else None,
         "executor": resolve_executor(cfg.executor, loaded.device),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
