@@ -8,7 +8,13 @@ import torch
 from rbs_bench import methods  # first: importing it registers the baselines
 
 # isort: split
-from rbs_bench.baselines.xattn import XAttention, antidiagonal_mass_ref, cumulative_keep
+from rbs_bench.baselines.xattn import (
+    XAttention,
+    antidiagonal_mass_ref,
+    cumulative_keep,
+    upstream_chunk_tokens,
+    upstream_first_chunk_keep,
+)
 
 EPS = 1e-3  # cumulative sums this close to tau (as fractions of the row mass) are not compared
 TIE = 1e-5  # masses this close (same units) may rank either way in fp32: excepted too
@@ -209,3 +215,110 @@ def test_registry_and_bad_fields():
         methods.build("xattn", sink_blocks=2)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         sel.select(torch.randn(1, 3, 64, 8), torch.randn(1, 2, 64, 8))
+
+
+# ------------------------------------------------------------------ upstream's first query chunk
+
+
+def upstream_chunk(rows, c0, tau):
+    """Kept block ids of each row of one query chunk, by the steps of upstream's
+    `find_blocks_chunked` (threshold, causal, prefill), one at a time.
+
+    `rows`: the masses (lists of M floats, zero above the diagonal) of query blocks c0, c0 + 1, ...
+    Column 0 is marked, then the chunk's identity block is written over columns c0 .. c0 + rows - 1
+    (in the first chunk, over column 0 too). The running sum walks slots that start with 0 and the
+    marked mass, then the unmarked masses in descending order, less the last two; the blocks walk
+    the marked ones first, then the others by descending mass (ties: lower id first). A block is
+    kept while the sum of the slots before its position is < tau * total; any other position
+    points at block 0, which is then kept too. Blocks above the diagonal are dropped at the end.
+    """
+    m, out = len(rows[0]), []
+    for r, v in enumerate(rows):
+        marked = [j == 0 for j in range(m)]
+        for c in range(c0, c0 + len(rows)):
+            marked[c] = c == c0 + r
+        required = tau * sum(v)
+        others = sorted((0.0 if marked[j] else v[j] for j in range(m)), reverse=True)
+        slots = [0.0, sum(v[j] for j in range(m) if marked[j])] + others[: m - 2]
+        order = sorted(range(m), key=lambda j: (not marked[j], -v[j], j))
+        kept, running = {j for j in range(m) if marked[j]}, 0.0
+        for pos in range(m):
+            kept.add(order[pos] if running < required else 0)
+            running += slots[pos]
+        out.append(sorted(j for j in kept if j <= c0 + r))
+    return out
+
+
+def rows_of(mask):
+    """bool [M', M] -> kept ids per row."""
+    return [row.nonzero().flatten().tolist() for row in mask]
+
+
+def random_masses(m, seed):
+    """float64 [1, 1, m, m]: random positive masses on and below the diagonal, none above."""
+    g = torch.Generator().manual_seed(seed)
+    mass = torch.rand(1, 1, m, m, generator=g, dtype=torch.float64) ** 3
+    return mass.tril()
+
+
+@pytest.mark.parametrize("tau", [0.3, 0.6, 0.9, 0.97])
+def test_first_chunk_matches_upstream_steps_and_later_chunks_are_the_rule(tau):
+    m, chunk = 12, 4
+    mass = random_masses(m, seed=int(100 * tau))
+    v = mass[0, 0].tolist()
+    first = upstream_first_chunk_keep(mass, tau, chunk)[0, 0]
+    assert rows_of(first) == upstream_chunk(v[:chunk], 0, tau)
+    rule = cumulative_keep(mass, tau)[0, 0]
+    for c0 in range(chunk, m, chunk):  # later chunks: upstream's steps give the intended rule
+        assert rows_of(rule[c0 : c0 + chunk]) == upstream_chunk(v[c0 : c0 + chunk], c0, tau)
+    # upstream's first-chunk rows keep a superset of the rule's, here with more in some row
+    assert not (rule[:chunk] & ~first).any() and (first & ~rule[:chunk]).any()
+
+
+def test_first_chunk_lags_by_one_block():
+    # query block 3 of the first chunk; dyadic masses, so every sum is exact, tau 0.7
+    mass = torch.zeros(1, 1, 4, 4)
+    mass[0, 0, 3] = torch.tensor([0.25, 0.375, 0.125, 0.25])
+    # the rule: block 0 and the diagonal first (0.5), then block 1 (0.5 < 0.7, kept) and block 2
+    # (0.875, not kept)
+    assert cumulative_keep(mass, 0.7)[0, 0, 3].nonzero().flatten().tolist() == [0, 1, 3]
+    # upstream: block 1 on nothing, block 0 on the diagonal alone (0.25), block 2 on the diagonal
+    # and block 1 (0.625 < 0.7): kept
+    got = upstream_first_chunk_keep(mass, 0.7, 4)[0, 0, 3].nonzero().flatten().tolist()
+    assert got == [0, 1, 2, 3] == upstream_chunk(mass[0, 0].tolist(), 0, 0.7)[3]
+    assert upstream_first_chunk_keep(mass, 0.0, 4)[0, 0].sum(-1).tolist() == [1, 2, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "n,tokens",
+    [(1, 2048), (1000, 2048), (4096, 4096), (16384, 16384), (20000, 8192), (131072, 2048)],
+)
+def test_upstream_chunk_size(n, tokens):
+    assert upstream_chunk_tokens(n) == tokens
+    assert upstream_chunk_tokens(4 * 131072) == 2048
+
+
+def test_upstream_first_chunk_option_changes_the_first_chunk_only():
+    n, bs = 20000, 128  # upstream's chunk: 8192 tokens = 64 of the 157 query blocks
+    q, k = structured_qk(1, 2, 1, n, 16, seed=11)
+    default = methods.build("xattn")
+    upstream = methods.build("xattn", upstream_first_chunk=True)
+    mass = antidiagonal_mass_ref(q, k, bs, 16)
+    rule = cumulative_keep(mass, 0.9)
+    off, on = default.select(q, k).mask(), upstream.select(q, k).mask()
+    assert torch.equal(off, rule)  # the default is the rule, unchanged
+    chunk = upstream_chunk_tokens(n) // bs
+    assert chunk == 64 and off.shape[-1] == 157
+    assert torch.equal(on[..., chunk:, :], off[..., chunk:, :])  # later chunks: the same blocks
+    extra = on[..., :chunk, :] & ~off[..., :chunk, :]
+    assert not (off & ~on).any()  # the first chunk only gains blocks ...
+    assert extra.sum() >= chunk and extra.any(-1).any(-1).all()  # ... here many, in both heads
+    for h in range(2):  # and exactly the ones upstream's steps keep
+        want = upstream_chunk(mass[0, h, :chunk].double().tolist(), 0, 0.9)
+        assert rows_of(on[0, h, :chunk]) == want
+    assert "upstream_first_chunk" not in default.fields()
+    assert upstream.fields()["upstream_first_chunk"] is True
+    with pytest.raises(ValueError, match="PyTorch path only"):
+        methods.build("xattn", upstream_first_chunk=True, impl="triton")
+    with pytest.raises(ValueError, match="true or false"):
+        methods.build("xattn", upstream_first_chunk=1)
