@@ -1,4 +1,4 @@
-"""MInference 1.0 vertical-slash (Jiang et al., NeurIPS'24), from research/baselines.md §5.
+"""MInference 1.0 vertical-slash (Jiang et al., NeurIPS'24), from docs/baselines.md §5.
 
 Rule, per (batch, query head), on a prompt of N tokens:
   1. softmax rows of the last L = min(last_q, N) queries against every key (causal, fp32);
@@ -14,6 +14,16 @@ Where we deliberately differ from the public code (microsoft/MInference, minfere
   code uses for heads without a searched entry, (1000, 6096). Upstream looks up per-layer, per-head
   sizes searched offline on one example; the selector API has no layer index, and a searched
   config would tie the baseline to one model. Calibration moves the single `ratio` instead.
+- The ratio scales the sizes with round(), not int() (docs/baselines.md §5.3). Upstream
+  (`minference_prefill_kernel` in minference/modules/minference_forward.py) truncates:
+  int(vertical_size * minference_ratio), likewise for slash_size. The two differ by one column
+  or one diagonal where the product's fraction is >= 0.5 (6096 * 0.1 = 609.6: 610 here, 609
+  upstream), and where float rounding leaves the product a hair below a whole number (100 * 0.29
+  = 28.999999999999996: 29 here, 28 upstream). round() gives the size nearest the stated product,
+  free of that float noise; both are monotone in the ratio, and at ratio 1 (upstream applies the
+  ratio only when one is configured) they agree. Kept on purpose: this is not a bug on either
+  side, and switching would move every committed calibration (results/calibration/*/
+  minference.yaml) by up to one column and one diagonal per head.
 - The slash floor is `local_diagonals` (100), not 50. Upstream forces 100 diagonals but floors
   the count at 50, so with fewer than 100 requested, top-k picks an arbitrary subset of the tied
   forced diagonals; here every forced column and diagonal is always kept.
@@ -77,7 +87,7 @@ from rbs_bench.methods.selection import causal_block_mask
 
 EXECUTORS = ("reference", "flex", "triton")
 
-DENSITY_BLOCK = 128  # block size at which the token pattern's density is counted (design.md §3)
+DENSITY_BLOCK = 128  # block size the token pattern's density is counted at (docs/design.md §3)
 
 
 @dataclass(frozen=True)

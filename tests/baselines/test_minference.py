@@ -57,6 +57,18 @@ def test_forced_sinks_and_local_diagonals_even_when_not_estimated():
         ({}, 20, (20, 20)),
         ({"ratio": 0.5}, 100_000, (500, 3048)),
         ({"ratio": 0.01}, 100_000, (30, 100)),  # floors: the forced lines
+        ({"ratio": 0.1}, 100_000, (100, 610)),  # round(609.6); upstream's int() gives 609
+        (  # 100 * 0.29 = 28.999999999999996: round() gives 29, upstream's int() 28
+            {
+                "vertical_size": 100,
+                "slash_size": 100,
+                "ratio": 0.29,
+                "sink_tokens": 0,
+                "local_diagonals": 0,
+            },
+            1000,
+            (29, 29),
+        ),
         (
             {"vertical_size": 10, "slash_size": 60, "sink_tokens": 4, "local_diagonals": 8},
             99,
