@@ -1,6 +1,6 @@
 """FlashPrefill (Fan et al., 2026), v1 selection: full-query x mean-key tile mass, max-relative.
 
-The rule (research/baselines.md §2.1), per query head h, query block i and key block j:
+The rule (docs/baselines.md §2.1), per query head h, query block i and key block j:
 
     kbar_j  = mean of the keys of block j (the query side is NOT pooled)
     S[i, j] = sum over the rows r of block i of exp(q_r . kbar_j * scale - M_i)   (one shared max)
@@ -9,16 +9,17 @@ The rule (research/baselines.md §2.1), per query head h, query block i and key 
             or i is one of the last 2 query blocks (those rows are dense)
 
 log S[i, j] + M_i is the log-sum-exp over the block's rows of the scaled centroid logits, i.e. the
-base score L[i, j] of RBS (design.md §4), and the threshold compares the same quantity. So this is
-the `centroid` rule: the class reuses `Centroid` and differs only in its defaults (alpha 0.12, the
-value the paper's Qwen3-MoE runs use). Knob: alpha; a larger alpha keeps fewer blocks. It inherits
-`Centroid`'s `impl` field too: the PyTorch reference, or the fused Triton kernels on CUDA.
+base score L[i, j] of RBS (docs/design.md §4.3), and the threshold compares the same quantity.
+So this is the `centroid` rule: the class reuses `Centroid` and differs only in its defaults
+(alpha 0.12, the value the paper's Qwen3-MoE runs use). Knob: alpha; a larger alpha keeps fewer
+blocks. It inherits `Centroid`'s `impl` field too: the PyTorch reference, or the fused Triton
+kernels on CUDA.
 
 Where we deliberately differ from upstream (qhfan/FlashPrefill v1, snapshot 74e42f3d4f):
-- The row max runs over the candidates b < i only (design.md §4). Upstream also scores the diagonal
-  tile, from the rows that see its last key (just the block's last row), and lets it enter the
-  max. That tile can only raise the threshold, and only when one row outweighs every full tile;
-  the diagonal itself is kept by the window in both.
+- The row max runs over the candidates b < i only (docs/design.md §4.4). Upstream also scores
+  the diagonal tile, from the rows that see its last key (just the block's last row), and lets it
+  enter the max. That tile can only raise the threshold, and only when one row outweighs every
+  full tile; the diagonal itself is kept by the window in both.
 - alpha defaults to 0.12, the shipped Qwen3-MoE setting the paper uses, not the class default 0.7
   (Llama configs use 0.18, Qwen2/2.5 0.08).
 - No `min_budget` (top-k floor): upstream's default is 0, and the Qwen3 config's `min_budget=4` is

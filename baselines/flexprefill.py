@@ -1,4 +1,4 @@
-"""FlexPrefill (Lai et al., ICLR'25), from research/baselines.md §4.
+"""FlexPrefill (Lai et al., ICLR'25), from docs/baselines.md §4.
 
 Rule, per (batch, query head), block size B, M = ceil(N / B) blocks; budgets are given in tokens
 and become ceil(budget / B) blocks. Prompts with N <= max(2B, ceil(min_budget / B) * B) run dense.

@@ -1,7 +1,7 @@
 """Quest-style prefill selection: per-block min/max key box bound, top fraction of the candidates.
 
 Quest (Tang et al., ICML'24) is decode-only; this is the prefill adaptation of
-research/baselines.md §6.2 (our construction, not public code). Per KV head and key block j keep
+docs/baselines.md §6.2 (our construction, not public code). Per KV head and key block j keep
 the elementwise extremes of the block's real keys, `kmin_j` and `kmax_j` (D floats each). Then:
 
     bound(t, j) = q_t+ . kmax_j + q_t- . kmin_j     (q+ = max(q, 0), q- = min(q, 0))
@@ -19,7 +19,7 @@ blocks. The default 0.1 is our choice (the paper calibrates it, e.g. 0.0405 for 
 Where we deliberately differ from Quest:
 - Harness blocks (128 tokens by default, a field) instead of 16-token pages, and one bound per
   (query block, key block) pair: the max of the row-exact token bounds, a valid upper bound on the
-  largest logit of the tile (baselines.md §6.2). The looser box-box bound is not used.
+  largest logit of the tile (docs/baselines.md §6.2). The looser box-box bound is not used.
 - A fraction of the candidates instead of a fixed token budget, so one knob spans every context
   length; the count is ceil(ratio * |C_i|), computed with a 1e-9 tolerance so that 0.1 * 30 gives 3.
 - Forced blocks are RBS's (for parity with the other block selectors) instead of Quest's "last page

@@ -9,7 +9,7 @@ query heads (the layer itself runs dense) and computes, without keeping N x N at
 - the true block mass: for query block i and key block j, the sum over the real queries t of block
   i of the causal softmax probability of the keys s <= t in block j (`kernels/block_mass.py`,
   Triton on CUDA, a chunked torch reduction on the CPU); row i sums to the tokens of block i;
-- each key block's radius r_b = max ||k - c_b|| and rescue coefficient beta_b (design.md §4);
+- each key block's radius r_b = max ||k - c_b|| and rescue coefficient beta_b (docs/design.md §4);
 - four block scores: centroid (the base-branch LSE of q . c_b), RBS rescue (the rescue-branch LSE
   of q . c_b + ||q|| r_b beta_b), full L2 (rescue with beta = 1) and the Quest box bound (max over
   the query block of q+ . kmax + q- . kmin);

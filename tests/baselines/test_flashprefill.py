@@ -1,4 +1,4 @@
-"""FlashPrefill v1 against a loop-by-loop transcription of its rule (baselines.md §2.1)."""
+"""FlashPrefill v1 against a loop-by-loop transcription of its rule (docs/baselines.md §2.1)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""The RBS family against a literal, loop-by-loop transcription of design.md §4."""
+"""The RBS family against a literal, loop-by-loop transcription of docs/design.md §4."""
 
 import math
 

@@ -1,8 +1,8 @@
 """InfiniteBench (Zhang et al., 2024): the ten tasks of the paper's Table 5, beyond 100K tokens.
 
 Follows OpenBMB/InfiniteBench at commit 88b3daa (`src/prompt.py` yarn_mistral_templates,
-`src/eval_utils.py`, `src/compute_scores.py`); written from the description in
-shared/research/benchmarks.md section 3, not from upstream code. The data is not generated:
+`src/eval_utils.py`, `src/compute_scores.py`), written anew, not from upstream code;
+docs/benchmarks.md §3 describes both. The data is not generated:
 `data["dataset"]` names the hub copy (xinrongzhang2022/InfiniteBench, one split per task, read with
 explicit feature types) or a local directory of the per-task `<task>.jsonl` files.
 

@@ -1,7 +1,7 @@
 """LongBench-v2 (Bai et al., 2024): 503 multiple-choice questions over 8K-2M-word contexts.
 
-Follows THUDM/LongBench at commit 2e00731 (`pred.py`, `result.py`, `prompts/`); written from the
-description in shared/research/benchmarks.md section 2, not from upstream code. The data is not
+Follows THUDM/LongBench at commit 2e00731 (`pred.py`, `result.py`, `prompts/`), written anew,
+not from upstream code; docs/benchmarks.md §2 describes both. The data is not
 generated: `data["dataset"]` names the hub copy (THUDM/LongBench-v2, split train) or a local
 json/jsonl file in the hub's schema.
 

@@ -1,7 +1,7 @@
 """RULER (Hsieh et al., 2024), generated offline: the 13 tasks, the length fitting and the scorer.
 
-Follows the NVIDIA/RULER generator at commit c3f5e3b (binary-search length fitting); written from
-the description in shared/research/benchmarks.md section 1, not from upstream code. Samples follow
+Follows the NVIDIA/RULER generator at commit c3f5e3b (binary-search length fitting), written
+anew, not from upstream code; docs/benchmarks.md §1 describes both. Samples follow
 upstream's templates and distribution but are not byte-identical to upstream's (RNG call order:
 one `random.Random(seed)` per `generate` call drives every draw, where upstream also uses numpy).
 

@@ -1,8 +1,8 @@
 """Video-MME (Fu et al., 2024): 2,700 multiple-choice questions on 900 videos of 11 s to 1 h.
 
 Follows the official prompt and scorer (BradyFU/Video-MME README at 07d7282,
-`evaluation/eval_your_results.py` at 4e7566d) and lmms-eval's frame sampling; written from the
-description in shared/research/benchmarks.md section 4, not from upstream code. The question
+`evaluation/eval_your_results.py` at 4e7566d) and lmms-eval's frame sampling, written anew, not
+from upstream code; docs/benchmarks.md §4 describes both. The question
 metadata is the hub's (`lmms-lab/Video-MME`, config videomme, split test) or a local copy in that
 schema (.parquet, .json or .jsonl); the videos are never shipped: `data["video_dir"]` is a local
 directory holding `<videoID>.mp4` (or .MP4 / .mkv), directly or under `data/` as the hub's zips

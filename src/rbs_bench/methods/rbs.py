@@ -1,4 +1,4 @@
-"""RBS-Attention and its two single-branch variants (design.md §4).
+"""RBS-Attention and its two single-branch variants (docs/design.md §4).
 
     rbs       base branch (q . c_b) and rescue branch (q . c_b + ||q|| r_b beta_b), thresholds
               alpha_base / alpha_rescue, union with the forced blocks
