@@ -11,6 +11,15 @@ prefill attention has structure that separates selectors, and these generators p
   where centroid scoring underestimates a block and radius-aware scoring should not.
 
 Strengths are in logit units (after the 1/sqrt(d) scale) over a unit-variance random background.
+
+Input families (`FAMILIES`, `generate(..., structure=FAMILIES[name])`):
+
+- `synthetic`: the default `Structure()`; every committed result made from these inputs uses it.
+- `needles`: larger logits and scattered needles. Needles with logits drawn in [40, 60], each
+  matched by a few dozen query tokens scattered over the rest of the prompt instead of one query
+  block, stronger vertical columns, and more dispersed needle blocks. Softmax rows there are
+  dominated by one key, the regime where low-precision intermediates and exponent offsets show,
+  and block scores span a far wider range than on the default family.
 """
 
 from __future__ import annotations
@@ -34,6 +43,25 @@ class Structure:
     needle_strength: float = 13.0
     needle_block: int = 128  # size of the diluted blocks the needles are planted in
     dilution: float = 2.0  # noise scale of the keys sharing a needle's block
+    # None: every needle has needle_strength; else each draws its logit in [strength, this]
+    needle_strength_max: float | None = None
+    # None: the queries of one later query block match the needle; else this many query tokens
+    # drawn anywhere after the needle's key block
+    needle_queries: int | None = None
+
+
+FAMILIES = {
+    "synthetic": Structure(),
+    "needles": Structure(
+        vertical_columns=16,
+        vertical_strength=6.0,
+        needles=32,
+        needle_strength=40.0,
+        needle_strength_max=60.0,
+        needle_queries=48,
+        dilution=3.0,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -41,12 +69,61 @@ class SyntheticAttention:
     q: Tensor  # [B, Hq, N, D]
     k: Tensor  # [B, Hkv, N, D]
     v: Tensor  # [B, Hkv, N, D]
-    needles: Tensor  # int64 [n, 4]: batch, kv head, key position, query block (needle_block units)
+    # int64 [n, 4]: batch, kv head, key position, query block (needle_block units); with
+    # scattered needle queries, one row per query block that holds at least one of them
+    needles: Tensor
 
 
 def _unit(shape, d: int, gen: torch.Generator, device) -> Tensor:
     x = torch.randn(*shape, d, generator=gen, device=device)
     return x / x.norm(dim=-1, keepdim=True)
+
+
+def _needle_strength(s: Structure, gen: torch.Generator, device) -> float:
+    if s.needle_strength_max is None:
+        return s.needle_strength
+    u = float(torch.rand((), generator=gen, device=device))
+    return s.needle_strength + u * (s.needle_strength_max - s.needle_strength)
+
+
+def _plant_blocks(q, k, s: Structure, mag, gen, d, n, m, b, h) -> list[tuple]:
+    """Needles of one (batch, kv head), each matched by every query of one later query block.
+
+    q [G, N, D] and k [N, D] are modified in place; returns the (b, h, key, query block) rows.
+    """
+    bs, dev, rows = s.needle_block, q.device, []
+    # key block in [2, m-6), query block at least 4 blocks later and before the last 2
+    kb = torch.randint(2, m - 6, (s.needles,), generator=gen, device=dev)
+    for j in kb.tolist():
+        qb = int(torch.randint(j + 4, m - 2, (1,), generator=gen, device=dev))
+        t = j * bs + int(torch.randint(0, min(bs, n - j * bs), (1,), generator=gen, device=dev))
+        direction = _unit((), d, gen, dev)
+        strength = _needle_strength(s, gen, dev)
+        k[j * bs : (j + 1) * bs] *= s.dilution  # a dispersed block
+        k[t] = mag(strength) * direction
+        q[:, qb * bs : (qb + 1) * bs] += mag(strength) * direction
+        rows.append((b, h, t, qb))
+    return rows
+
+
+def _plant_scattered(q, k, s: Structure, mag, gen, d, n, m, b, h) -> list[tuple]:
+    """Needles in distinct dispersed key blocks, each matched by `needle_queries` query tokens
+    drawn anywhere after its block. Every block is dispersed before any needle is planted, so
+    no needle key is scaled twice."""
+    bs, dev, rows = s.needle_block, q.device, []
+    kb = 2 + torch.randperm(m - 8, generator=gen, device=dev)[: s.needles]
+    for j in kb.tolist():
+        k[j * bs : (j + 1) * bs] *= s.dilution
+    for j in kb.tolist():
+        t = j * bs + int(torch.randint(0, min(bs, n - j * bs), (1,), generator=gen, device=dev))
+        direction = _unit((), d, gen, dev)
+        strength = _needle_strength(s, gen, dev)
+        k[t] = mag(strength) * direction
+        tok = torch.randint((j + 1) * bs, n, (s.needle_queries,), generator=gen, device=dev)
+        tok = tok.unique()
+        q[:, tok] += mag(strength) * direction
+        rows += [(b, h, t, qb) for qb in (tok // bs).unique().tolist()]
+    return rows
 
 
 def generate(
@@ -107,20 +184,10 @@ def generate(
     bs = s.needle_block
     m = math.ceil(n / bs)
     if s.needles and m >= 9:  # room for a key block in [2, m-6) and a later query block
+        plant = _plant_blocks if s.needle_queries is None else _plant_scattered
         for b in range(batch):
             for h in range(kv_heads):
-                # key block in [2, m-6), query block at least 4 blocks later and before the last 2
-                kb = torch.randint(2, m - 6, (s.needles,), generator=gen, device=device)
-                for j in kb.tolist():
-                    qb = int(torch.randint(j + 4, m - 2, (1,), generator=gen, device=device))
-                    t = j * bs + int(
-                        torch.randint(0, min(bs, n - j * bs), (1,), generator=gen, device=device)
-                    )
-                    direction = _unit((), d, gen, device)
-                    k[b, h, j * bs : (j + 1) * bs] *= s.dilution  # a dispersed block
-                    k[b, h, t] = mag(s.needle_strength) * direction
-                    q[b, h, :, qb * bs : (qb + 1) * bs] += mag(s.needle_strength) * direction
-                    needles.append((b, h, t, qb))
+                needles += plant(q[b, h], k[b, h], s, mag, gen, d, n, m, b, h)
     q = q.reshape(batch, q_heads, n, d)
     needle_t = torch.tensor(needles, dtype=torch.int64).reshape(-1, 4)
     return SyntheticAttention(q.to(dtype), k.to(dtype), v.to(dtype), needle_t)
