@@ -295,12 +295,16 @@ def block_sparse_attention_varlen_ref(
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton kernel: one program per (query tile of <= 128 rows, query head, batch or sequence).
+# Triton kernel: one program per (query tile of BLOCK_M <= 128 rows, query head, batch or
+# sequence); a query block of more rows than BLOCK_M runs as several tiles.
 # It walks the tile's kept key blocks in ascending order with an online softmax (exp2, the
-# scale folded into log2(e)). The kept ids split into three runs, counted up front: blocks that
-# lie wholly before the tile's first query (no mask at all: the hot loop), blocks that cross
-# the diagonal or the end of the sequence (causal mask), and blocks after the tile's last query
-# (skipped). K/V are read through kv head h // GROUP, never repeated.
+# scale folded into log2(e) and applied to the fp32 scores, never to bf16 operands). The kept
+# ids split into three runs, counted up front: blocks that lie wholly before the tile's first
+# query (no mask at all: the hot loop), blocks that cross the diagonal or the end of the
+# sequence (causal mask), and blocks after the tile's last query (skipped). K/V are read through
+# kv head h // GROUP, never repeated: with TMA through 4-d tensor descriptors over the tensors'
+# own strides (rows past the tensor's end read as zeros), else through pointers.
+# docs/kernels.md records the configurations timed and why the tuning space holds these.
 # ---------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
@@ -311,8 +315,11 @@ if HAS_TRITON:
         l_i,
         m_i,
         q,
-        k_base,
-        v_base,
+        k_src,
+        v_src,
+        bat,
+        kv_h,
+        row,
         start_n,
         offs_m,
         offs_n,
@@ -326,16 +333,23 @@ if HAS_TRITON:
         diag,
         MASKED: tl.constexpr,
         MERGED: tl.constexpr,
+        TMA: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
     ):
-        # MASKED: causal mask on this tile; MERGED: mask only where the runtime flag diag says
-        cols = start_n + offs_n  # [BLOCK_N] key positions
-        k_ptrs = k_base + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
-        v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        if MASKED or MERGED:
-            k = tl.load(k_ptrs, mask=cols[:, None] < seq_len, other=0.0)  # [BLOCK_N, D]
+        # MASKED: causal mask on this tile; MERGED: mask only where the runtime flag diag says.
+        # k_src/v_src: tensor descriptors (TMA) or the (batch, kv head) base pointers; row is
+        # the tile's first key row in the tensor (sequence offset + start_n).
+        cols = start_n + offs_n  # [BLOCK_N] key positions in the sequence
+        if TMA:
+            k = k_src.load([bat, kv_h, row, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
-            k = tl.load(k_ptrs)
-        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] raw scores
+            k_ptrs = k_src + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd
+            if MASKED or MERGED:
+                k = tl.load(k_ptrs, mask=cols[:, None] < seq_len, other=0.0)  # [BLOCK_N, D]
+            else:
+                k = tl.load(k_ptrs)
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N] raw scores, fp32
         if MERGED:
             if diag:
                 s = tl.where(cols[None, :] <= offs_m[:, None], s, float("-inf"))
@@ -352,10 +366,14 @@ if HAS_TRITON:
         p = tl.exp2(s * qk_scale - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED or MERGED:
-            v = tl.load(v_ptrs, mask=cols[:, None] < seq_len, other=0.0)
+        if TMA:
+            v = v_src.load([bat, kv_h, row, 0]).reshape(BLOCK_N, HEAD_DIM)
         else:
-            v = tl.load(v_ptrs)
+            v_ptrs = v_src + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            if MASKED or MERGED:
+                v = tl.load(v_ptrs, mask=cols[:, None] < seq_len, other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
         return acc, l_i, m_new
@@ -365,6 +383,8 @@ if HAS_TRITON:
         Q,
         K,
         V,
+        KDesc,
+        VDesc,
         Out,
         Lse,
         KvCount,
@@ -397,7 +417,8 @@ if HAS_TRITON:
         stride_im,
         stride_ik,
         seq_len,
-        num_q_tiles,
+        max_len,
+        num_heads,
         num_k_blocks,
         qk_scale,
         GROUP: tl.constexpr,
@@ -410,18 +431,38 @@ if HAS_TRITON:
         VARLEN: tl.constexpr,
         STORE_LSE: tl.constexpr,
         MERGE_DIAG: tl.constexpr,
+        TMA: tl.constexpr,
+        ORDER: tl.constexpr,
     ):
-        # The query tiles of one head run side by side (they share its kv head's blocks in L2;
-        # measured faster than the heads of one tile side by side), late (heavy) tiles first.
-        tile = num_q_tiles - 1 - tl.program_id(0)
-        h = tl.program_id(1)
-        b = tl.program_id(2)  # batch index, or sequence index when VARLEN
+        # Program order; late (heavy) tiles first in every order.
+        # 0: grid (tiles, Hq, B): the tiles of one query head side by side.
+        # 1: grid (tiles * Hq, B): per kv head, the GROUP query heads of one tile side by side
+        #    (they share that kv head's window, sink and often scored blocks in L2).
+        # 2: grid (tiles * Hq, B): every query head of one tile side by side.
+        pid = tl.program_id(0)
+        num_q_tiles = tl.cdiv(max_len, BLOCK_M)  # of the longest sequence
+        if ORDER == 0:
+            tile = num_q_tiles - 1 - pid
+            h = tl.program_id(1)
+        elif ORDER == 1:
+            per_kv = num_q_tiles * GROUP
+            r = pid % per_kv
+            tile = num_q_tiles - 1 - r // GROUP
+            h = (pid // per_kv) * GROUP + r % GROUP
+        else:
+            tile = num_q_tiles - 1 - pid // num_heads
+            h = pid % num_heads
+        b = tl.program_id(2) if ORDER == 0 else tl.program_id(1)  # batch, or sequence (VARLEN)
         if VARLEN:
-            row0 = tl.load(CuSeqlens + b).to(tl.int64)
-            seq_len = (tl.load(CuSeqlens + b + 1) - row0).to(tl.int32)
+            row32 = tl.load(CuSeqlens + b)
+            row0 = row32.to(tl.int64)
+            seq_len = (tl.load(CuSeqlens + b + 1) - row32).to(tl.int32)
+            bat32 = 0
             bat = 0
         else:
+            row32 = 0
             row0 = 0
+            bat32 = b
             bat = b.to(tl.int64)
         q_start = tile * BLOCK_M
         if q_start >= seq_len:
@@ -436,12 +477,17 @@ if HAS_TRITON:
         q_ptrs = Q + bat * stride_qb + h64 * stride_qh + row0 * stride_qn
         q_ptrs += offs_m[:, None] * stride_qn + offs_d[None, :] * stride_qd
         q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
-        k_base = K + bat * stride_kb + kv_h * stride_kh + row0 * stride_kn
-        v_base = V + bat * stride_vb + kv_h * stride_vh + row0 * stride_vn
+        if TMA:
+            k_src = KDesc
+            v_src = VDesc
+        else:
+            k_src = K + bat * stride_kb + kv_h * stride_kh + row0 * stride_kn
+            v_src = V + bat * stride_vb + kv_h * stride_vh + row0 * stride_vn
+        kvh32 = h // GROUP
 
         # This tile's selection row; b is the batch or the sequence index.
         q_block = q_start // BLOCK_Q
-        b64 = tl.program_id(2).to(tl.int64)
+        b64 = b.to(tl.int64)
         count = tl.load(KvCount + b64 * stride_cb + h64 * stride_ch + q_block * stride_cm)
         ids_row = KvIndices + b64 * stride_ib + h64 * stride_ih + q_block * stride_im
         q_last = tl.minimum(q_start + BLOCK_M, seq_len) - 1
@@ -463,34 +509,38 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         # Flattened (kept block, key tile) loop: BLOCK_K // BLOCK_N tiles per key block.
-        n_full_tiles = n_full * (BLOCK_K // BLOCK_N)
+        TILES: tl.constexpr = BLOCK_K // BLOCK_N
+        n_full_tiles = n_full * TILES
         # MERGE_DIAG: one pipelined loop with the mask behind a branch (one pipeline fill less:
         # pays when a tile keeps few blocks); else a mask-free loop, then the masked one.
         if MERGE_DIAG:
-            for t in range(0, n_vis * (BLOCK_K // BLOCK_N)):
-                j = tl.load(ids_row + (t // (BLOCK_K // BLOCK_N)) * stride_ik)
-                start_n = j * BLOCK_K + (t % (BLOCK_K // BLOCK_N)) * BLOCK_N
+            for t in range(0, n_vis * TILES):
+                j = tl.load(ids_row + (t // TILES) * stride_ik)
+                start_n = j * BLOCK_K + (t % TILES) * BLOCK_N
                 acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d,
-                    stride_kn, stride_kd, stride_vn, stride_vd, seq_len, qk_scale,
-                    t >= n_full_tiles, MASKED=False, MERGED=True,
+                    acc, l_i, m_i, q, k_src, v_src, bat32, kvh32, row32 + start_n, start_n,
+                    offs_m, offs_n, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                    seq_len, qk_scale, t >= n_full_tiles, MASKED=False, MERGED=True, TMA=TMA,
+                    BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
                 )  # fmt: skip
         else:
             for t in range(0, n_full_tiles):
-                j = tl.load(ids_row + (t // (BLOCK_K // BLOCK_N)) * stride_ik)
-                start_n = j * BLOCK_K + (t % (BLOCK_K // BLOCK_N)) * BLOCK_N
+                j = tl.load(ids_row + (t // TILES) * stride_ik)
+                start_n = j * BLOCK_K + (t % TILES) * BLOCK_N
                 acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d,
-                    stride_kn, stride_kd, stride_vn, stride_vd, seq_len, qk_scale,
-                    False, MASKED=False, MERGED=False,
+                    acc, l_i, m_i, q, k_src, v_src, bat32, kvh32, row32 + start_n, start_n,
+                    offs_m, offs_n, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                    seq_len, qk_scale, False, MASKED=False, MERGED=False, TMA=TMA,
+                    BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
                 )  # fmt: skip
-            for t in range(n_full_tiles, n_vis * (BLOCK_K // BLOCK_N)):
-                j = tl.load(ids_row + (t // (BLOCK_K // BLOCK_N)) * stride_ik)
-                start_n = j * BLOCK_K + (t % (BLOCK_K // BLOCK_N)) * BLOCK_N
+            for t in range(n_full_tiles, n_vis * TILES):
+                j = tl.load(ids_row + (t // TILES) * stride_ik)
+                start_n = j * BLOCK_K + (t % TILES) * BLOCK_N
                 acc, l_i, m_i = _attend_tile(
-                    acc, l_i, m_i, q, k_base, v_base, start_n, offs_m, offs_n, offs_d,
-                    stride_kn, stride_kd, stride_vn, stride_vd, seq_len, qk_scale,
-                    True, MASKED=True, MERGED=False,
+                    acc, l_i, m_i, q, k_src, v_src, bat32, kvh32, row32 + start_n, start_n,
+                    offs_m, offs_n, offs_d, stride_kn, stride_kd, stride_vn, stride_vd,
+                    seq_len, qk_scale, True, MASKED=True, MERGED=False, TMA=TMA,
+                    BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM,
                 )  # fmt: skip
 
         seen = l_i > 0.0  # a row that saw no key gets 0 and lse -inf
@@ -504,24 +554,58 @@ if HAS_TRITON:
             l_ptrs = Lse + bat * stride_lb + h64 * stride_lh + (row0 + offs_m) * stride_ln
             tl.store(l_ptrs, lse, mask=row_ok)
 
-    # (BLOCK_N, num_warps, num_stages, maxnreg, MERGE_DIAG); BLOCK_N is capped at block_k.
-    # On an H200 (d 128, block 128, 32K-128K, 2-10% density) the first was the fastest of every
-    # config timed: 128 registers and 96 KB of shared memory let two programs share an SM, so
-    # one's prologue and epilogue hide under the other's loop. The second is the same with the
-    # merged loop; the third is the one-program-per-SM fallback (e.g. for other head dims).
-    _TUNING_SPACE = ((64, 8, 2, 128, False), (64, 8, 2, 128, True), (128, 8, 3, None, False))
+    def _set_desc_blocks(nargs) -> None:
+        """Autotuner pre-hook: the descriptors' block shape follows the config's BLOCK_N."""
+        for name in ("KDesc", "VDesc"):
+            desc = nargs[name]
+            if isinstance(desc, TensorDescriptor):
+                desc.block_shape = [1, 1, nargs["BLOCK_N"], nargs["HEAD_DIM"]]
+
+
+try:  # host-side TMA descriptors (triton >= 3.4)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # no triton, or one without them: the pointer path only
+    TensorDescriptor = None
+
+# The tuning space: (BLOCK_N, num_warps, num_stages, maxnreg, MERGE_DIAG, TMA, ORDER, BLOCK_M);
+# BLOCK_N is capped at block_k, BLOCK_M at min(block_q, 128). Read with docs/kernels.md, which
+# has the timings behind each entry.
+# With num_stages=2 the loads of tile t + 1 are issued after tile t's last MMA, so within one
+# program nothing hides them; with 3 stages one tile's compute hides the next tile's loads.
+# Two programs of 8 warps share an SM only at <= 128 registers, where a 64-key tile makes ptxas
+# serialise the wgmma instructions (no register room for an asynchronous accumulator); a 32-key
+# tile fits asynchronously in 128 registers with 3-4 stages in 80-96 KB of shared memory.
+TUNING_SPACE = (
+    (64, 8, 2, 128, False, False, 0, 128),  # the previous default: pointers, 2 programs per SM
+    (32, 8, 3, 128, False, True, 0, 128),
+    (32, 8, 4, 128, False, True, 0, 128),
+    (64, 8, 3, None, False, True, 0, 128),  # one program per SM, asynchronous wgmma
+    (128, 8, 2, None, False, True, 0, 128),
+)
+POINTER_SPACE = tuple(c for c in TUNING_SPACE if not c[5]) or (
+    (64, 8, 2, 128, False, False, 0, 128),
+)
+
+if HAS_TRITON:
+
+    def _config(bn, warps, stages, maxnreg, merge, tma, order, bm) -> triton.Config:
+        kwargs = {"BLOCK_N": bn, "MERGE_DIAG": merge, "TMA": tma, "ORDER": order, "BLOCK_M": bm}
+        return triton.Config(
+            kwargs,
+            num_warps=warps,
+            num_stages=stages,
+            maxnreg=maxnreg,
+            pre_hook=_set_desc_blocks if tma else None,
+        )
 
     @functools.cache
-    def _tuned_kernel(block_k: int):
-        space = dict.fromkeys((min(bn, block_k), *rest) for bn, *rest in _TUNING_SPACE)
-        configs = [
-            triton.Config(
-                {"BLOCK_N": bn, "MERGE_DIAG": md}, num_warps=w, num_stages=st, maxnreg=reg
-            )
-            for bn, w, st, reg, md in space
-        ]
-        key = ["HEAD_DIM", "BLOCK_Q", "BLOCK_K", "GROUP", "VARLEN", "STORE_LSE"]
-        return triton.autotune(configs=configs, key=key)(_block_sparse_fwd_kernel)
+    def _tuned_kernel(block_q: int, block_k: int, space: tuple):
+        bm_max = min(block_q, 128)
+        capped = dict.fromkeys((min(c[0], block_k), *c[1:7], min(c[7], bm_max)) for c in space)
+        key = ["HEAD_DIM", "BLOCK_Q", "BLOCK_K", "GROUP", "VARLEN", "STORE_LSE", "seq_len"]
+        return triton.autotune(configs=[_config(*c) for c in capped], key=key)(
+            _block_sparse_fwd_kernel
+        )
 
 
 def _interpreted() -> bool:
@@ -531,6 +615,45 @@ def _interpreted() -> bool:
 
 def _is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
+
+
+def _tma_ok(*tensors: Tensor) -> bool:
+    """Tensor descriptors can read these: fp16/bf16, last dim contiguous, 16-byte aligned."""
+    if TensorDescriptor is None:
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.dtype not in (torch.float16, torch.bfloat16) or t.stride(-1) != 1:
+            return False
+        if t.data_ptr() % 16 or any((s * size) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _descriptor(t: Tensor, block_n: int):
+    """A 4-d descriptor over [B, H, N, D] with t's own strides; rows past N read as zeros."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, t.shape[-1]])
+
+
+def _check_out(out: Tensor, q: Tensor) -> None:
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out must be [B, Hq, N, D] = {tuple(q.shape)} {q.dtype} on {q.device} like q; got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if any(s < 0 for s in out.stride()) or _overlapping(out):
+        raise ValueError(f"out must not overlap itself; got strides {out.stride()}")
+
+
+def _overlapping(t: Tensor) -> bool:
+    """True when two indices of t share memory (a broadcast or expanded view)."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1)
+    span = 1
+    for stride, size in dims:
+        if stride < span:
+            return True
+        span = stride * size
+    return False
 
 
 def _launch(
@@ -545,9 +668,14 @@ def _launch(
     return_lse: bool,
     cu_seqlens: Tensor | None,
     config: dict | None = None,
+    out: Tensor | None = None,
+    space: tuple | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Check, allocate and launch; `config` (BLOCK_N, MERGE_DIAG, num_warps, num_stages, ...)
-    skips autotuning."""
+    """Check, allocate and launch.
+
+    `config` (BLOCK_N, MERGE_DIAG, TMA, ORDER, BLOCK_M, num_warps, num_stages, maxnreg) skips
+    autotuning; `space` replaces the autotuner's `TUNING_SPACE` (tuning runs and tests).
+    """
     if not HAS_TRITON:
         raise RuntimeError(
             "block_sparse_attention needs triton (pip install triton); "
@@ -575,48 +703,65 @@ def _launch(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if not scale > 0:
         raise ValueError(f"scale must be positive; got {scale}")
+    if out is not None:
+        _check_out(out, q)
     if q.device.type != "cuda" and not _interpreted():
         raise ValueError(
             "the Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before triton is "
             "imported); use block_sparse_attention_ref on the CPU"
         )
+    if out is None:
+        out = torch.empty_like(q)
 
     b, hq, n, _ = q.shape
-    out = torch.empty_like(q)
     if return_lse:
         lse = torch.empty(b, hq, n, dtype=torch.float32, device=q.device)
     else:
         lse = torch.empty(1, 1, 1, dtype=torch.float32, device=q.device)  # never written
-    block_m = min(block_q, 128)  # a larger query block runs as several tiles
     longest = n if lengths is None else max(lengths)
-    num_q_tiles = math.ceil(longest / block_m)
-    grid = (num_q_tiles, hq, b if lengths is None else len(lengths))
-    if num_q_tiles == 0:
+    if longest == 0:
         return (out, lse) if return_lse else out
+    seqs = b if lengths is None else len(lengths)
+
+    tma = _tma_ok(k, v)
+    if config is None and _interpreted():  # no timing under the interpreter
+        config = {"BLOCK_N": min(block_k, 64), "num_warps": 4}
+    if config is not None:
+        config = {"MERGE_DIAG": False, "TMA": False, "ORDER": 0, "BLOCK_M": 128, **config}
+        config["BLOCK_M"] = min(config["BLOCK_M"], block_q)  # a larger block runs as tiles
+        if config["TMA"] and not tma:
+            raise ValueError("TMA=True needs fp16/bf16 k/v with 16-byte aligned strides")
+    block_n = min(block_k, 64) if config is None else config["BLOCK_N"]
+    descs = (_descriptor(k, block_n), _descriptor(v, block_n)) if tma else (k, v)
 
     args = (
-        q, k, v, out, lse, kv_count, kv_indices,
+        q, k, v, *descs, out, lse, kv_count, kv_indices,
         kv_count if cu_seqlens is None else cu_seqlens,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         *kv_count.stride(), *kv_indices.stride(),
-        n, num_q_tiles, kv_indices.shape[-1], scale * 1.4426950408889634,
+        n, longest, hq, kv_indices.shape[-1], scale * 1.4426950408889634,
     )  # fmt: skip
     meta = dict(
         GROUP=hq // k.shape[1],
         HEAD_DIM=d,
         BLOCK_Q=block_q,
         BLOCK_K=block_k,
-        BLOCK_M=block_m,
         SCAN=8 if _interpreted() else 128,  # small lists in CPU tests still take two chunks
         VARLEN=cu_seqlens is not None,
         STORE_LSE=return_lse,
     )
-    if config is None and _interpreted():  # no timing under the interpreter
-        config = {"BLOCK_N": min(block_k, 64), "MERGE_DIAG": False, "num_warps": 4}
+
+    def grid(meta):
+        tiles = math.ceil(longest / meta["BLOCK_M"])
+        if meta["ORDER"] == 0:
+            return (tiles, hq, seqs)
+        return (tiles * hq, seqs)
+
     if config is None:
-        _tuned_kernel(block_k)[grid](*args, **meta)
+        space = tuple(c for c in (space or TUNING_SPACE) if tma or not c[5]) or POINTER_SPACE
+        _tuned_kernel(block_q, block_k, space)[grid](*args, **meta)
     else:
-        _block_sparse_fwd_kernel[grid](*args, **meta, **config)
+        _block_sparse_fwd_kernel[grid(config)](*args, **meta, **config)
     return (out, lse) if return_lse else out
 
 
@@ -631,6 +776,7 @@ def block_sparse_attention(
     scale: float | None = None,
     return_lse: bool = False,
     cu_seqlens: Tensor | None = None,
+    out: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse causal prefill attention, Triton forward kernel (CUDA; CPU when interpreted).
 
@@ -644,11 +790,18 @@ def block_sparse_attention(
     [S, Hq, Mq_max] / [S, Hq, Mq_max, Mk_max] with block ids local to each sequence
     (see `block_sparse_attention_varlen_ref`); sequences never attend to each other.
 
+    q/k/v may be any strided views (e.g. a model's [B, N, H, D] projections seen through
+    `.transpose(1, 2)`). `out`, if given, receives the result instead of a new tensor: [B, Hq,
+    N, D] like q, any non-overlapping strides, so `torch.empty(B, N, Hq, D).transpose(1, 2)`
+    makes the kernel write a model's [B, N, Hq, D] layout directly.
+
     Needs block_q, block_k powers of two >= 16, head dim a power of two <= 128, and
     float16/bfloat16 (float32 runs with tf32 dots on the GPU). Returns out in q's dtype, and
     with `return_lse` also the natural-log logsumexp fp32 [B, Hq, N].
     """
-    return _launch(q, k, v, kv_count, kv_indices, block_q, block_k, scale, return_lse, cu_seqlens)
+    return _launch(
+        q, k, v, kv_count, kv_indices, block_q, block_k, scale, return_lse, cu_seqlens, out=out
+    )
 
 
 def main() -> None:

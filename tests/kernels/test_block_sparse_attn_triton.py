@@ -47,10 +47,13 @@ class Case:
     strided: bool = False  # q/k/v as [B, N, H, D] memory seen through a transpose
     scale: float | None = None
     seed: int = 0
-    merge_diag: bool = False  # the kernel's one-loop variant (a tuning choice) instead
+    config: tuple = ()  # launch configuration items (a tuning choice) instead of the default
+    out_bnhd: bool = False  # the kernel writes into [B, N, H, D] memory through `out`
 
 
 F32, F16 = torch.float32, torch.float16
+MERGED = (("BLOCK_N", 64), ("MERGE_DIAG", True))
+TMA32 = (("BLOCK_N", 32), ("TMA", True))
 CASES = {
     "N1-H2/2-D64-full": Case(2, 2, (1,), 64, density="full"),
     "N127-H4/1-D64": Case(4, 1, (127,), 64),
@@ -65,17 +68,52 @@ CASES = {
     "N100-H1/1-D16-empty-rows": Case(1, 1, (100,), 16, density="empty-rows"),
     "varlen-100,1,257-H4/2-D64": Case(4, 2, (100, 1, 257), 64, varlen=True, seed=3),
     "varlen-129,0,64-H8/1-D128-fp16": Case(8, 1, (129, 0, 64), 128, F16, varlen=True, seed=4),
-    # the merged-loop variant on the shapes where masked and unmasked tiles interleave
-    "merged-N127-H4/1-D64": Case(4, 1, (127,), 64, merge_diag=True),
+    # the tuning space's other loops, program orders, key tiles and K/V loads on the shapes
+    # where masked and unmasked tiles interleave (TMA descriptors read fp16/bf16 only)
+    "merged-N127-H4/1-D64": Case(4, 1, (127,), 64, config=MERGED),
     "merged-N1000-H2/2-D64-fp16-bq64-bk128": Case(
-        2, 2, (1000,), 64, F16, block_k=128, merge_diag=True
+        2, 2, (1000,), 64, F16, block_k=128, config=MERGED
     ),
-    "merged-N600-H2/1-D64-bq256-bk64": Case(2, 1, (600,), 64, block_q=256, seed=2, merge_diag=True),
-    "merged-N100-H1/1-D16-empty-rows": Case(
-        1, 1, (100,), 16, density="empty-rows", merge_diag=True
-    ),
+    "merged-N600-H2/1-D64-bq256-bk64": Case(2, 1, (600,), 64, block_q=256, seed=2, config=MERGED),
+    "merged-N100-H1/1-D16-empty-rows": Case(1, 1, (100,), 16, density="empty-rows", config=MERGED),
     "merged-varlen-100,1,257-H4/2-D64": Case(
-        4, 2, (100, 1, 257), 64, varlen=True, seed=3, merge_diag=True
+        4, 2, (100, 1, 257), 64, varlen=True, seed=3, config=MERGED
+    ),
+    "tma-N1000-H8/1-D64-fp16-bk128": Case(8, 1, (1000,), 64, F16, block_k=128, config=TMA32),
+    "tma-N129-B2-H4/2-D32-fp16-strided": Case(
+        4, 2, (129, 129), 32, F16, strided=True, seed=5, config=TMA32
+    ),
+    "tma-merged-N600-H2/1-D64-fp16-bq256": Case(
+        2, 1, (600,), 64, F16, block_q=256, seed=6, config=(*TMA32, ("MERGE_DIAG", True))
+    ),
+    "tma-varlen-129,0,64,300-H4/1-D64-fp16": Case(
+        4, 1, (129, 0, 64, 300), 64, F16, varlen=True, seed=7, config=TMA32
+    ),
+    "tma-N100-H2/2-D16-fp16-empty-rows": Case(
+        2, 2, (100,), 16, F16, density="empty-rows", config=(("TMA", True), ("BLOCK_N", 16))
+    ),
+    "order1-N1000-H8/2-D64-fp16-out": Case(
+        8, 2, (1000,), 64, F16, seed=8, config=(*TMA32, ("ORDER", 1)), out_bnhd=True
+    ),
+    "order2-B2-N300-H4/2-D64-out": Case(
+        4, 2, (300, 300), 64, seed=9, config=(("BLOCK_N", 32), ("ORDER", 2)), out_bnhd=True
+    ),
+    "order1-varlen-200,77-H4/4-D64-fp16": Case(
+        4, 4, (200, 77), 64, F16, varlen=True, seed=10, config=(*TMA32, ("ORDER", 1))
+    ),
+    "bm32-N300-H4/2-D64-fp16-bq128-varlen": Case(
+        4,
+        2,
+        (300, 1, 200),
+        64,
+        F16,
+        block_q=128,
+        varlen=True,
+        seed=12,
+        config=(*TMA32, ("BLOCK_M", 32), ("ORDER", 1)),
+    ),
+    "out-N129-H4/2-D64-fp16-strided": Case(
+        4, 2, (129,), 64, F16, strided=True, seed=11, out_bnhd=True
     ),
 }
 
@@ -119,12 +157,24 @@ def make_case(case: Case):
 
 
 def run_kernel(case: Case):
+    """(out, lse); with out_bnhd the output tensor is [B, N, H, D] memory seen as [B, H, N, D],
+    poisoned first, and the returned out must be that very tensor."""
     q, k, v, _, count, indices, cu = make_case(case)
     lists = (count, indices, case.block_q, case.block_k)
-    if case.merge_diag:
-        config = {"BLOCK_N": min(case.block_k, 64), "MERGE_DIAG": True, "num_warps": 4}
-        return bsa._launch(q, k, v, *lists, case.scale, True, cu, config)
-    return block_sparse_attention(q, k, v, *lists, scale=case.scale, return_lse=True, cu_seqlens=cu)
+    out = None
+    if case.out_bnhd:
+        b, h, n, d = q.shape
+        out = torch.full((b, n, h, d), float("nan"), dtype=q.dtype).transpose(1, 2)
+    if case.config:
+        config = {"num_warps": 4, **dict(case.config)}
+        res = bsa._launch(q, k, v, *lists, case.scale, True, cu, config, out=out)
+    else:
+        res = block_sparse_attention(
+            q, k, v, *lists, scale=case.scale, return_lse=True, cu_seqlens=cu, out=out
+        )
+    if out is not None:
+        assert res[0].data_ptr() == out.data_ptr() and res[0].stride() == out.stride()
+    return res
 
 
 def dense_truth(case: Case, dtype: torch.dtype):
@@ -258,6 +308,17 @@ def test_kernel_rejects_odd_blocks_and_dims():
         block_sparse_attention(**{**args, "q": q, "k": k, "v": v})
 
 
+def test_kernel_rejects_bad_out():
+    args = bad_inputs()
+    q = args["q"]
+    with pytest.raises(ValueError, match="out must be"):
+        block_sparse_attention(**args, out=torch.empty(q.shape[0], q.shape[1], 99, q.shape[3]))
+    with pytest.raises(ValueError, match="out must be"):
+        block_sparse_attention(**args, out=torch.empty_like(q, dtype=torch.float16))
+    with pytest.raises(ValueError, match="must not overlap"):
+        block_sparse_attention(**args, out=torch.empty(1, 1, 1, q.shape[3]).expand(q.shape))
+
+
 @pytest.mark.skipif(bsa._interpreted(), reason="this process runs the interpreter")
 def test_kernel_refuses_cpu_tensors():
     with pytest.raises(ValueError, match="needs CUDA tensors"):
@@ -324,6 +385,47 @@ def test_kernel_matches_dense_bf16_gpu(n, d, bq, bk, p):
         seen = torch.isfinite(expected)
         assert torch.equal(seen, torch.isfinite(lse))
         torch.testing.assert_close(lse[seen], expected[seen], atol=1e-3, rtol=1e-4)
+
+
+def _as_config(entry) -> dict:
+    bn, warps, stages, maxnreg, merge, tma, order, bm = entry
+    return dict(
+        BLOCK_N=bn, num_warps=warps, num_stages=stages, maxnreg=maxnreg, MERGE_DIAG=merge,
+        TMA=tma, ORDER=order, BLOCK_M=bm,
+    )  # fmt: skip
+
+
+SPACE = sorted(
+    set(bsa.TUNING_SPACE)
+    | {(32, 8, s, 128, m, True, o, 128) for s in (3, 4) for m in (False, True) for o in (0, 1, 2)}
+    | {(64, 4, s, None, False, True, 0, 64) for s in (2, 3)},
+    key=str,
+)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("entry", SPACE, ids=lambda e: "-".join(map(str, e)))
+def test_every_config_matches_dense_bf16_gpu(entry):
+    """Each configuration the tuner may pick, on [B, N, H, D] memory read and written through
+    strides, at a length that ends mid-block (1936 = 15 blocks + 16 tokens; with 16 / 2 heads
+    every integer argument has the divisibility of the benchmark's, so the kernels compiled
+    here are the ones it runs)."""
+    hq, hkv, n, d, block = 16, 2, 1936, 128, 128
+    gen = torch.Generator().manual_seed(21)
+    q, k, v = (
+        torch.randn(1, n, h, d, generator=gen).to("cuda", torch.bfloat16).transpose(1, 2)
+        for h in (hq, hkv, hkv)
+    )
+    mask, count, indices = random_selection(1, hq, n, block, block, 0.3, 21, "cuda")
+    token_mask = expand_block_mask(mask, block, block, n)
+    truth = dense_masked_gpu(q, k, v, token_mask, torch.float32)
+    out = torch.full((1, n, hq, d), float("nan"), device="cuda", dtype=q.dtype).transpose(1, 2)
+    lists = (count, indices, block, block)
+    bsa._launch(q, k, v, *lists, None, False, None, _as_config(entry), out=out)
+    err = (out.float() - truth).abs().max().item()
+    torch_err = (dense_masked_gpu(q, k, v, token_mask, torch.bfloat16) - truth).abs().max().item()
+    assert err <= 2 * torch_err + 1e-5, f"kernel err {err:.3e} vs torch bf16 err {torch_err:.3e}"
 
 
 @pytest.mark.gpu
