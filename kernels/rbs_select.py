@@ -285,23 +285,22 @@ def _score_row(
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    """Scores of one query block against its candidates, stored by key-block id.
+    """Scores of one query block against its candidates, stored by key-block id (one pass).
 
     S0[b] gets the base score, S1[b] the rescue score. The zero-uplift key blocks (positions
     [0, cz)) get one score for both branches; the uplifted ones (positions [BLOCK_M - cp,
-    BLOCK_M), whole tiles from the end) both. Returns the per-column running maxima of the two
-    branches.
+    BLOCK_M), whole tiles from the end) both. Returns the row's top scores of the branches.
 
-    EXACT subtracts each key block's own token maximum before exponentiating (two passes over
-    the tile). Otherwise one offset `off` serves the whole row: off = max_t z(t, 0), block 0
-    being a candidate of every scored row, so every block whose score can reach a threshold
-    (L >= max L + log2 alpha >= off + log2 alpha) sums terms far above fp32's underflow; the
-    caller checks that no score came near overflow (L > off + 100) and otherwise redoes the row
-    exactly.
+    EXACT subtracts each key block's own token maximum before exponentiating (no logit range
+    can overflow or underflow). Otherwise one offset `off` serves the whole row: off =
+    max_t z(t, 0), block 0 being a candidate of every scored row, so every block whose score
+    can reach a threshold (L >= max L + log2 alpha >= off + log2 alpha) sums terms far above
+    fp32's underflow; the caller checks that no score came near overflow (L > off + 100) and
+    otherwise redoes the row exactly.
     """
     offs_k = tl.arange(0, BLOCK_K)
-    max_b = tl.full([BLOCK_K], float("-inf"), tl.float32)
-    max_r = tl.full([BLOCK_K], float("-inf"), tl.float32)
+    top_b = float("-inf")
+    top_r = float("-inf")
     for t in range(0, tl.cdiv(cz, BLOCK_K)):
         pos = t * BLOCK_K + offs_k
         cand = pos < cz
@@ -310,10 +309,10 @@ def _score_row(
         lse = tl.where(cand, _lse(s * qk_scale + bias[None, :], off, EXACT), float("-inf"))
         if BASE:
             tl.store(S0 + ids, lse, mask=cand)
-            max_b = tl.maximum(max_b, lse)
+            top_b = tl.maximum(top_b, tl.max(lse, 0))
         if RESCUE:
             tl.store(S1 + ids, lse, mask=cand)
-            max_r = tl.maximum(max_r, lse)
+            top_r = tl.maximum(top_r, tl.max(lse, 0))
     for t in range(0, tl.cdiv(cp, BLOCK_K)):
         pos = BLOCK_M - (t + 1) * BLOCK_K + offs_k
         cand = pos >= BLOCK_M - cp
@@ -324,12 +323,117 @@ def _score_row(
         if BASE:
             lse_b = tl.where(cand, _lse(x, off, EXACT), float("-inf"))
             tl.store(S0 + ids, lse_b, mask=cand)
-            max_b = tl.maximum(max_b, lse_b)
-        lse_r = _lse(x + u[:, None] * q_norm[None, :], off, EXACT)
-        lse_r = tl.where(cand, lse_r, float("-inf"))
+            top_b = tl.maximum(top_b, tl.max(lse_b, 0))
+        lse_r = tl.where(cand, _lse(x + u[:, None] * q_norm[None, :], off, EXACT), float("-inf"))
         tl.store(S1 + ids, lse_r, mask=cand)
-        max_r = tl.maximum(max_r, lse_r)
-    return max_b, max_r
+        top_r = tl.maximum(top_r, tl.max(lse_r, 0))
+    return top_b, top_r
+
+
+@jit
+def _bound_row(
+    c_head,
+    u_head,
+    perm_head,
+    S0,
+    S1,
+    S2,
+    S3,
+    stride_cm,
+    stride_cd,
+    stride_um,
+    stride_pm,
+    offs_d,
+    d_ok,
+    q_t,
+    qk_scale,
+    bias,
+    mean_bias,
+    inv_real,
+    qn_max,
+    qn_mean,
+    cz,
+    cp,
+    DOT_F32: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """Pass one of the two-pass scoring: bounds of every candidate's scores, no exponentials.
+
+    With x(t, b) the token logits relative to the row's offset and n real tokens, a block's
+    score L - off = log2 sum_t 2^x lies in [mean_t x + log2 n, max_t x + log2 n] (Jensen's
+    inequality and the largest term). Stored by key-block id: S0 max_t x and S2 mean_t x of
+    the base branch, S1 / S3 the same of the rescue branch, whose logits add u_b ||q_t||:
+    bounded by max_t x + u_b max_t ||q_t|| and equal in mean to mean_t x + u_b mean_t ||q_t||.
+    The mean comes from the raw dot products (padded tokens' rows of q are 0) plus the
+    tokens' mean bias, so each element costs one FMA, one max and one add.
+    """
+    offs_k = tl.arange(0, BLOCK_K)
+    for t in range(0, tl.cdiv(cz, BLOCK_K)):
+        pos = t * BLOCK_K + offs_k
+        cand = pos < cz
+        ids = tl.load(perm_head + pos * stride_pm)
+        s = _tile_dot(c_head, pos, offs_d, d_ok, stride_cm, stride_cd, q_t, DOT_F32)
+        mx = tl.max(s * qk_scale + bias[None, :], 1)
+        mean = tl.sum(s, 1) * (qk_scale * inv_real) + mean_bias
+        tl.store(S0 + ids, mx, mask=cand)
+        tl.store(S2 + ids, mean, mask=cand)
+        tl.store(S1 + ids, mx, mask=cand)  # zero uplift: the rescue logits are the base ones
+        tl.store(S3 + ids, mean, mask=cand)
+    for t in range(0, tl.cdiv(cp, BLOCK_K)):
+        pos = BLOCK_M - (t + 1) * BLOCK_K + offs_k
+        cand = pos >= BLOCK_M - cp
+        ids = tl.load(perm_head + pos * stride_pm)
+        u = tl.load(u_head + pos * stride_um)
+        s = _tile_dot(c_head, pos, offs_d, d_ok, stride_cm, stride_cd, q_t, DOT_F32)
+        mx = tl.max(s * qk_scale + bias[None, :], 1)
+        mean = tl.sum(s, 1) * (qk_scale * inv_real) + mean_bias
+        tl.store(S0 + ids, mx, mask=cand)
+        tl.store(S2 + ids, mean, mask=cand)
+        tl.store(S1 + ids, mx + u * qn_max, mask=cand)
+        tl.store(S3 + ids, mean + u * qn_mean, mask=cand)
+
+
+@jit
+def _rescore_live(
+    c_head,
+    u_head,
+    inv_head,
+    Live,
+    S0,
+    S1,
+    n_live,
+    stride_cm,
+    stride_cd,
+    stride_um,
+    stride_vm,
+    offs_d,
+    d_ok,
+    q_t,
+    qk_scale,
+    bias,
+    q_norm,
+    off,
+    BASE: tl.constexpr,
+    RESCUE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Pass two: exact scores (per-block maxima subtracted) of the n_live ids listed in Live,
+    gathered in tiles of BLOCK_K; S0 / S1 get the base / rescue scores by id."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for t in range(0, tl.cdiv(n_live, BLOCK_K)):
+        slot = t * BLOCK_K + offs_k
+        ok = slot < n_live
+        ids = tl.load(Live + slot, mask=ok, other=0)
+        pos = tl.load(inv_head + ids * stride_vm)  # Inv[:M]: id -> position
+        s = _tile_dot(c_head, pos, offs_d, d_ok, stride_cm, stride_cd, q_t, DOT_F32)
+        x = s * qk_scale + bias[None, :]
+        if BASE:
+            tl.store(S0 + ids, _lse(x, off, True), mask=ok)
+        if RESCUE:
+            u = tl.load(u_head + pos * stride_um)
+            tl.store(S1 + ids, _lse(x + u[:, None] * q_norm[None, :], off, True), mask=ok)
 
 
 @_jit_call
@@ -343,8 +447,12 @@ def _select_row(
     Zc,
     S0,
     S1,
+    S2,
+    S3,
+    Live,
     Count,
     Index,
+    Stats,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -390,6 +498,8 @@ def _select_row(
     RESCUE: tl.constexpr,
     DOT_F32: tl.constexpr,
     FAST: tl.constexpr,
+    TWO_PASS: tl.constexpr,
+    STATS: tl.constexpr,
     OFF_MEAN: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -441,40 +551,77 @@ def _select_row(
 
     tl.debug_barrier()  # the previous row's reads of the scratch are done
     perm_head = inv_head + BLOCK_M * stride_vm
-    max_b, max_r = _score_row(
-        c_head, u_head, perm_head, S0, S1, stride_cm, stride_cd, stride_um, stride_vm, offs_d,
-        d_ok, q_t, qk_scale, bias, q_norm, off, cz, cp, BASE, RESCUE, DOT_F32, not FAST, BLOCK_K,
-        BLOCK_M,
-    )  # fmt: skip
-    top_b = tl.max(max_b, 0)
-    top_r = tl.max(max_r, 0)
-    if FAST:
-        ok = True
+    inrow = cols < tl.where(scoring, i, 0)  # scored candidates, key-block order
+    if TWO_PASS:
+        # Pass one: bounds of every candidate's scores. A block is live when its upper bound
+        # reaches the threshold that the best lower bound already implies (both relative to
+        # off; log2 n cancels). 0.05 (log2 units) of slack covers the rounding between the
+        # passes' arithmetic: it only makes more blocks live.
+        n_real = tl.sum(real.to(tl.float32), 0)
+        mean_bias = tl.sum(tl.where(real, bias, 0.0), 0) / n_real
+        qn_max = tl.max(tl.where(real, q_norm, 0.0), 0)
+        qn_mean = tl.sum(tl.where(real, q_norm, 0.0), 0) / n_real
+        _bound_row(
+            c_head, u_head, perm_head, S0, S1, S2, S3, stride_cm, stride_cd, stride_um,
+            stride_vm, offs_d, d_ok, q_t, qk_scale, bias, mean_bias, 1.0 / n_real, qn_max,
+            qn_mean, cz, cp, DOT_F32, BLOCK_K, BLOCK_M,
+        )  # fmt: skip
+        tl.debug_barrier()  # every bound of the row is in the scratch
+        live = cols < 0
         if BASE:
-            ok = (top_b <= off + 100.0) & (top_b >= off - 60.0)
+            hi = tl.load(S0 + cols, mask=inrow, other=float("-inf"))
+            lo = tl.load(S2 + cols, mask=inrow, other=float("-inf"))
+            live = live | (hi >= tl.max(lo, 0) + log2_alpha_base - 0.05)
         if RESCUE:
-            ok = ok & (top_r <= off + 100.0) & (top_r >= off - 60.0)
-        if scoring & (ok == 0):  # a score near fp32's overflow: redo with per-block maxima
-            max_b, max_r = _score_row(
-                c_head, u_head, perm_head, S0, S1, stride_cm, stride_cd, stride_um, stride_vm,
-                offs_d, d_ok, q_t, qk_scale, bias, q_norm, off, cz, cp, BASE, RESCUE, DOT_F32,
-                True, BLOCK_K, BLOCK_M,
-            )  # fmt: skip
-            top_b = tl.max(max_b, 0)
-            top_r = tl.max(max_r, 0)
+            hi = tl.load(S1 + cols, mask=inrow, other=float("-inf"))
+            lo = tl.load(S3 + cols, mask=inrow, other=float("-inf"))
+            live = live | (hi >= tl.max(lo, 0) + log2_alpha_rescue - 0.05)
+        live = live & inrow
+        l32 = live.to(tl.int32)
+        n_live = tl.sum(l32, 0)
+        tl.store(Live + tl.cumsum(l32, 0) - l32, cols, mask=live)
+        tl.debug_barrier()  # the live list is written and the bounds are read
+        # Pass two: exact scores of the live blocks; the others stay below every threshold.
+        _rescore_live(
+            c_head, u_head, inv_head, Live, S0, S1, n_live, stride_cm, stride_cd, stride_um,
+            stride_vm, offs_d, d_ok, q_t, qk_scale, bias, q_norm, off, BASE, RESCUE, DOT_F32,
+            BLOCK_K,
+        )  # fmt: skip
+        scored = live
+    else:
+        top_b, top_r = _score_row(
+            c_head, u_head, perm_head, S0, S1, stride_cm, stride_cd, stride_um, stride_vm,
+            offs_d, d_ok, q_t, qk_scale, bias, q_norm, off, cz, cp, BASE, RESCUE, DOT_F32,
+            not FAST, BLOCK_K, BLOCK_M,
+        )  # fmt: skip
+        if FAST:
+            ok = True
+            if BASE:
+                ok = (top_b <= off + 100.0) & (top_b >= off - 60.0)
+            if RESCUE:
+                ok = ok & (top_r <= off + 100.0) & (top_r >= off - 60.0)
+            if scoring & (ok == 0):  # a score near fp32's overflow: redo with per-block maxima
+                _score_row(
+                    c_head, u_head, perm_head, S0, S1, stride_cm, stride_cd, stride_um,
+                    stride_vm, offs_d, d_ok, q_t, qk_scale, bias, q_norm, off, cz, cp, BASE,
+                    RESCUE, DOT_F32, True, BLOCK_K, BLOCK_M,
+                )  # fmt: skip
+        scored = inrow
     tl.debug_barrier()  # every score of the row is in the scratch
 
     # Thresholds, read back in key-block order.
-    inrow = cols < tl.where(scoring, i, 0)  # scored candidates, key-block order
-    lse_b = tl.load(S0 + cols, mask=inrow, other=float("-inf"))
+    lse_b = tl.load(S0 + cols, mask=scored, other=float("-inf"))
     picked = cols < 0
     if BASE:
-        picked = picked | (lse_b >= top_b + log2_alpha_base)
+        picked = picked | (lse_b >= tl.max(lse_b, 0) + log2_alpha_base)
     if RESCUE:
-        lse_r = tl.load(S1 + cols, mask=inrow, other=float("-inf"))
-        picked = picked | (lse_r >= top_r + log2_alpha_rescue)
+        lse_r = tl.load(S1 + cols, mask=scored, other=float("-inf"))
+        picked = picked | (lse_r >= tl.max(lse_r, 0) + log2_alpha_rescue)
+    if STATS:  # candidates, and those pass two scored (all of them in one pass)
+        tl.atomic_add(Stats, tl.sum(inrow.to(tl.int64), 0))
+        tl.atomic_add(Stats + 1, tl.sum(scored.to(tl.int64), 0))
     window_lo = tl.where(last_rows, -1, i - window_blocks)  # the last rows keep every b <= i
-    keep = (cols < sink_blocks) | (cols > window_lo) | (picked & inrow)
+    keep = (cols < sink_blocks) | (cols > window_lo) | (picked & scored)
     keep = keep & (cols <= i)
 
     # Compaction: position = kept ids before this one.
@@ -500,8 +647,10 @@ def _rbs_select_kernel(
     Inv,
     Zc,
     Scratch,
+    LiveScratch,
     Count,
     Index,
+    Stats,
     stride_qb,
     stride_qh,
     stride_qn,
@@ -547,6 +696,8 @@ def _rbs_select_kernel(
     RESCUE: tl.constexpr,
     DOT_F32: tl.constexpr,
     FAST: tl.constexpr,
+    TWO_PASS: tl.constexpr,
+    STATS: tl.constexpr,
     CALL: tl.constexpr,
     OFF_MEAN: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -555,10 +706,15 @@ def _rbs_select_kernel(
     BLOCK_M: tl.constexpr,
 ):
     # Persistent: program p takes rows p, p + P, ... of the (query block, batch x head) list,
-    # longest rows first; its scratch holds one row's scores at a time. The row is a called
-    # function so that its loop invariants stay out of this loop's registers.
-    S0 = Scratch + tl.program_id(0).to(tl.int64) * (2 * BLOCK_M)
+    # longest rows first; its scratch holds one row's scores (and with TWO_PASS their bounds
+    # and the live list) at a time. The row is a called function so that its loop invariants
+    # stay out of this loop's registers.
+    pid = tl.program_id(0).to(tl.int64)
+    S0 = Scratch + pid * (4 * BLOCK_M)
     S1 = S0 + BLOCK_M
+    S2 = S1 + BLOCK_M
+    S3 = S2 + BLOCK_M
+    Live = LiveScratch + pid * BLOCK_M
     for w in range(tl.program_id(0), m_blocks * batch_heads, tl.num_programs(0)):
         (_select_row if CALL else _select_row_inlined)(
             w,
@@ -570,8 +726,12 @@ def _rbs_select_kernel(
             Zc,
             S0,
             S1,
+            S2,
+            S3,
+            Live,
             Count,
             Index,
+            Stats,
             stride_qb,
             stride_qh,
             stride_qn,
@@ -617,6 +777,8 @@ def _rbs_select_kernel(
             RESCUE,
             DOT_F32,
             FAST,
+            TWO_PASS,
+            STATS,
             OFF_MEAN,
             BLOCK_Q,
             BLOCK_K,
@@ -653,22 +815,30 @@ def _launch(
     num_warps: int = 4,
     num_stages: int = 2,
     maxnreg: int | None = 168,
-    fast: bool = True,
+    fast: bool = False,
     share: bool = True,
     per_sm: int = 3,
     call: bool = True,
     offset: str = "block0",
+    two_pass: bool = True,
+    stats: Tensor | None = None,
 ):
     """`rbs_select` with the launch configuration open (for tests and tuning).
 
-    fast: one exponent offset per row (with the exact redo) instead of per-block maxima; share:
-    score zero-uplift key blocks once for both branches; per_sm: persistent programs per
-    multiprocessor, to match the occupancy that the registers (maxnreg) and shared memory allow
-    (168 registers and 66 KB: 3 programs of 4 warps on a Hopper SM); call: the row as a called
-    function (False: inlined into the persistent loop, whose registers then hold the row's loop
-    invariants); offset: the row's exponent offset, the largest logit against key block 0
-    ("block0": scores that matter cannot underflow) or against the mean centroid ("mean": one
-    reduction less; the redo covers rows where it misses by more than 2^60).
+    two_pass (the default): pass one bounds every candidate's score from its token logits'
+    maximum and mean (no exponentials), pass two scores exactly only the blocks whose upper
+    bound reaches the threshold the best lower bound implies; otherwise one pass scores every
+    candidate, exactly (each key block's token maximum subtracted) or, with fast, with one
+    exponent offset per row and an exact redo of rows near fp32's overflow (the earlier path,
+    kept to time against). share: score zero-uplift key blocks once for both branches;
+    per_sm: persistent programs per multiprocessor, to match the occupancy that the registers
+    (maxnreg) and shared memory allow (168 registers and 66 KB: 3 programs of 4 warps on a
+    Hopper SM); call: the row as a called function (False: inlined into the persistent loop,
+    whose registers then hold the row's loop invariants); offset: the row's exponent offset,
+    the largest logit against key block 0 ("block0": scores that matter cannot underflow) or
+    against the mean centroid ("mean": one reduction less; with fast, the redo covers rows
+    where it misses by more than 2^60). stats: int64 [2], if given, accumulates the scored
+    candidates and those scored exactly (pass two's live blocks; all of them in one pass).
     """
     base, rescue = _branches(branches)
     check_triton_launch("rbs_select", q, centroid, uplift_rescue if rescue else None)
@@ -730,7 +900,8 @@ def _launch(
     index = torch.empty(b, hq, m, m, device=q.device, dtype=torch.int32)
     extra = {} if maxnreg is None or q.device.type != "cuda" else {"maxnreg": maxnreg}
     programs = _programs(q.device, b * hq * m, per_sm)
-    scratch = torch.empty(programs, 2, block_m, device=q.device)
+    scratch = torch.empty(programs, 4, block_m, device=q.device)
+    live = torch.empty(programs, block_m, device=q.device, dtype=torch.int32)
     _rbs_select_kernel[(programs,)](
         q,
         res,
@@ -739,8 +910,10 @@ def _launch(
         inv,
         zc,
         scratch,
+        live,
         count,
         index,
+        count if stats is None else stats,
         *q.stride(),
         *res.stride(),
         *c_mean.stride(),
@@ -767,6 +940,8 @@ def _launch(
         RESCUE=rescue,
         DOT_F32=dot_f32,
         FAST=fast,
+        TWO_PASS=two_pass and not fast,
+        STATS=stats is not None,
         CALL=call,
         OFF_MEAN=offset == "mean",
         BLOCK_Q=max(16, triton.next_power_of_2(block_size)),

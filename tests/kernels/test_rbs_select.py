@@ -179,19 +179,62 @@ def test_rbs_select_multi_tile_rows():
 
 
 @kernel_test
+@pytest.mark.parametrize("branches", ["both", "base", "rescue"])
+def test_rbs_select_two_pass_scores_few_blocks_exactly(branches):
+    """On structured inputs pass two scores a minority of the candidates and the selection
+    stays the reference's; one pass scores them all."""
+    from rbs_bench import synthetic
+
+    data = synthetic.generate(1, 2, 1, 4096, 64, seed=13, device=DEVICE)
+    bs, sink, win, last = 64, 1, 2, 1
+    c, r = block_stats_ref(data.k, bs)
+    uplift = r * rescue_beta_ref(r)
+    args = (data.q, c, uplift, bs, 0.22, 0.18, sink, win, last)
+    forced = forced_mask(c.shape[2], sink, win, last, data.q.device)
+    near, _ = boundary(data.q, c, uplift, bs, (0.22, 0.18), branches, forced)
+    count0, idx0 = rbs_select_ref(*args, branches=branches)
+    stats = {}
+    for two_pass in (True, False):
+        stats[two_pass] = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        count, idx = _launch(
+            *args, None, branches, block_k=16, two_pass=two_pass, stats=stats[two_pass]
+        )
+        check_layout(count, idx)
+        assert_same_sets(lists_to_mask(count, idx), lists_to_mask(count0, idx0), near)
+    candidates, exact = stats[True].tolist()
+    m = c.shape[2]
+    assert candidates == 2 * sum(range(sink + win, m - last))  # the scored rows' candidates
+    assert 0 < exact < candidates / 2
+    assert stats[False].tolist() == [candidates, candidates]
+
+
+@kernel_test
 @pytest.mark.parametrize(
     "opts",
     [
-        dict(fast=False),
+        dict(two_pass=False),
+        dict(fast=True),
         dict(share=False),
+        dict(share=False, two_pass=False),
         dict(per_sm=1),
         dict(call=False),
         dict(offset="mean"),
+        dict(offset="mean", fast=True),
     ],
-    ids=["exact", "no-share", "one-program", "inlined", "mean-offset"],
+    ids=[
+        "one-pass",
+        "one-pass-fast",
+        "no-share",
+        "no-share-one-pass",
+        "one-program",
+        "inlined",
+        "mean-offset",
+        "mean-offset-fast",
+    ],
 )
 def test_rbs_select_launch_options(opts):
-    """Exact scores, no zero-uplift sharing, a single persistent program, the row inlined."""
+    """One exact pass, one offset per row, no zero-uplift sharing, a single persistent program,
+    the row inlined, the mean-centroid offset."""
     case = (1, 2, 1, 600, 64, 16, torch.float16, "both", 0.22, 0.18, 2, 4, 2)  # M = 38, 3 tiles
     args, branches, near = _inputs(case, seed=5)
     count, idx = _launch(*args, None, branches, block_k=16, **opts)
@@ -201,9 +244,13 @@ def test_rbs_select_launch_options(opts):
 
 
 @kernel_test
-@pytest.mark.parametrize("offset", ["block0", "mean"])
+@pytest.mark.parametrize(
+    "opts",
+    [dict(), dict(two_pass=False), dict(fast=True), dict(fast=True, offset="mean")],
+    ids=["two-pass", "one-pass", "fast", "fast-mean-offset"],
+)
 @pytest.mark.parametrize("branches", ["both", "rescue"])
-def test_rbs_select_huge_logits(branches, offset):
+def test_rbs_select_huge_logits(branches, opts):
     """Scores far above the row's offset (fp32 overflow: the exact redo) and far below it."""
     case = (1, 2, 1, 640, 64, 64, torch.float32, branches, 0.22, 0.18, 1, 1, 0)
     (q, c, u, bs, *rest), _, _ = _inputs(case, seed=9)
@@ -219,7 +266,7 @@ def test_rbs_select_huge_logits(branches, offset):
     block0 = (q.float() @ c[0, 0, 0] * scale * math.log2(math.e)).view(1, 2, -1, bs).amax(-1)
     gap = (scores - block0[..., None]).masked_fill(~candidate_mask(c.shape[2], q.device), 0)
     assert gap.amax() > 150 and gap.amin() < -150  # beyond fp32's range around the row offset
-    count, idx = _launch(*args, scale, branches, offset=offset)
+    count, idx = _launch(*args, scale, branches, **opts)
     check_layout(count, idx)
     count0, idx0 = rbs_select_ref(*args, scale=scale, branches=branches)
     forced = forced_mask(c.shape[2], 1, 1, 0, q.device)
@@ -327,11 +374,16 @@ def test_interpreter_suite():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("n", [16384, 65536])
-def test_gpu_triton_matches_torch_bf16(n):
+@pytest.mark.parametrize(
+    "n, family", [(16384, "synthetic"), (65536, "synthetic"), (16384, "needles")]
+)
+def test_gpu_triton_matches_torch_bf16(n, family):
     from rbs_bench import synthetic
 
-    data = synthetic.generate(1, 8, 2, n, 128, seed=1, device="cuda", dtype=torch.bfloat16)
+    data = synthetic.generate(
+        1, 8, 2, n, 128, structure=synthetic.FAMILIES[family], seed=1, device="cuda",
+        dtype=torch.bfloat16,
+    )  # fmt: skip
     q, k = data.q, data.k
     c, r = block_stats(k, 128)
     c0, r0 = block_stats_ref(k, 128)
