@@ -1,0 +1,348 @@
+"""Check, time and profile the kernels' configurations in one GPU call.
+
+    python -m rbs_bench.kernels.variants --out DIR [--budget-s 300]
+    ncu ... --profile-from-start off python -m rbs_bench.kernels.variants profile --out DIR
+
+`time` (the default): per input family (`rbs_bench.synthetic.FAMILIES`) and length, RBS is
+calibrated to 5% measured density; then every configuration of the sparse attention kernel in
+`ATTENTION_CONFIGS` is checked against an fp32 computation over the same kept blocks and timed on
+that selection (and at 128K on uniformly random blocks of the same density), next to dense cuDNN,
+and every selector variant in `SELECTOR_CONFIGS` is checked against the default one and timed,
+with the share of candidates the two-pass variant scores exactly. At 128K the sparse output's
+error is compared with dense SDPA's (`rbs_bench.bench.attention`). Rows go to DIR/variants.csv as
+they finish; the fastest attention configuration goes to DIR/best.json, and a table is printed
+last. `profile` runs the previous and the fastest configuration and two selector variants once
+each at 128K between cudaProfilerStart/Stop, for ncu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEVICE = "cuda"
+SHAPE = {"heads": 32, "kv_heads": 4, "head_dim": 128}  # the benchmark's 32 query / 4 KV heads
+LONG = 131072  # the length of the random pattern, the error comparison and the profile
+# (BLOCK_N, num_warps, num_stages, maxnreg, MERGE_DIAG, TMA, ORDER, BLOCK_M); see
+# block_sparse_attn's TUNING_SPACE. The first is the configuration the kernel shipped with.
+ATTENTION_CONFIGS = (
+    (64, 8, 2, 128, False, False, 0, 128),
+    (64, 8, 2, 128, True, False, 0, 128),
+    (128, 8, 3, None, False, False, 0, 128),
+    (32, 8, 3, 128, False, False, 0, 128),
+    (64, 8, 2, 128, False, True, 0, 128),
+    (32, 8, 3, 128, False, True, 0, 128),
+    (32, 8, 4, 128, False, True, 0, 128),
+    (32, 8, 3, 128, True, True, 0, 128),
+    (32, 8, 4, 128, False, True, 1, 128),
+    (32, 8, 4, 128, False, True, 2, 128),
+    (64, 8, 3, None, False, True, 0, 128),
+    (128, 8, 2, None, False, True, 0, 128),
+    (64, 8, 3, None, False, True, 1, 128),
+    (64, 4, 3, None, False, True, 0, 64),
+    (64, 4, 2, None, False, True, 0, 64),
+)
+# rbs_select launch options; "fast" is the path the selector shipped with.
+SELECTOR_CONFIGS = {
+    "fast": dict(fast=True),
+    "one-pass": dict(two_pass=False),
+    "two-pass": dict(),
+    "two-pass-2/sm": dict(per_sm=2, maxnreg=None),
+    "two-pass-8w": dict(num_warps=8, maxnreg=128, per_sm=2),
+    "two-pass-st3": dict(num_stages=3),
+}
+
+
+def tag(cfg) -> str:
+    bn, w, st, reg, merge, tma, order, bm = cfg
+    return f"bm{bm}-bn{bn}-w{w}-st{st}-r{reg or 'max'}{'-merged' if merge else ''}" + (
+        f"-{'tma' if tma else 'ptr'}-o{order}"
+    )
+
+
+def as_config(cfg) -> dict:
+    bn, w, st, reg, merge, tma, order, bm = cfg
+    return dict(
+        BLOCK_N=bn, num_warps=w, num_stages=st, maxnreg=reg, MERGE_DIAG=merge, TMA=tma,
+        ORDER=order, BLOCK_M=bm,
+    )  # fmt: skip
+
+
+class Rows:
+    """Rows written to a CSV as they come."""
+
+    def __init__(self, path: Path):
+        self.path, self.rows = path, []
+
+    def add(self, **row) -> None:
+        import pandas as pd
+
+        self.rows.append(row)
+        pd.DataFrame(self.rows).to_csv(self.path, index=False)
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}
+        print(" ".join(f"{k}={v}" for k, v in shown.items()), flush=True)
+
+
+def setup(family: str, n: int, seed: int = 0):
+    """(q, k, v, rbs selector calibrated to 5%, its selection, density) on the GPU."""
+    from rbs_bench import synthetic
+    from rbs_bench.bench.attention import calibrate
+
+    data = synthetic.generate(
+        1, SHAPE["heads"], SHAPE["kv_heads"], n, SHAPE["head_dim"],
+        structure=synthetic.FAMILIES[family], seed=seed, device=DEVICE, dtype=torch.bfloat16,
+    )  # fmt: skip
+    selector, density = calibrate("rbs", data.q, data.k, 0.05, tol=5e-4)
+    return data.q, data.k, data.v, selector, selector.select(data.q, data.k), density
+
+
+def random_selection(n: int, heads: int, density: float, seed: int, block: int = 128):
+    """Uniformly random kept blocks (each causal pair with the same probability) plus the
+    diagonal, at about `density` of the causal pairs."""
+    from rbs_bench.methods.selection import BlockSelection
+
+    m = math.ceil(n / block)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    mask = torch.rand(1, heads, m, m, generator=gen, device=DEVICE) < density
+    mask |= torch.eye(m, dtype=torch.bool, device=DEVICE)
+    return BlockSelection.from_mask(mask, block, block, n)
+
+
+def attention_errors(q, k, v, sel, out, blocks, rows) -> float:
+    """Max abs error of `out` against fp32 over the same kept blocks at `rows`."""
+    from rbs_bench.bench.attention import sparse_reference_rows
+
+    ref = sparse_reference_rows(q, k, v, sel, blocks, rows)
+    return float((out[:, :, rows].float() - ref).abs().max())
+
+
+def time_attention(rows: Rows, family, n, pattern, q, k, v, sel, density, cudnn_tf, t_end):
+    """Check and time each attention configuration on one selection; the fastest's tag."""
+    from rbs_bench.kernels import block_sparse_attn as bsa
+
+    from rbs_bench.bench.attention import _rows, causal_flops, do_bench, sample_blocks
+
+    flops = density * causal_flops(n, q.shape[1], q.shape[3])
+    blocks = sample_blocks(n, 128, 4, seed=1)
+    rr = _rows(blocks, 128, n, q.device)
+    lists = (sel.kv_count, sel.kv_indices, sel.block_q, sel.block_k)
+    best = None
+    for cfg in ATTENTION_CONFIGS:
+        if time.monotonic() > t_end:
+            print("time budget spent: attention configurations", file=sys.stderr)
+            break
+        run = lambda c=cfg: bsa._launch(q, k, v, *lists, None, False, None, as_config(c))
+        try:
+            out = run()
+            err = attention_errors(q, k, v, sel, out, blocks, rr)
+            ms = do_bench(run, 100)
+        except Exception as e:  # a configuration this GPU or triton cannot build
+            print(f"{tag(cfg)}: failed ({type(e).__name__}: {str(e)[:300]})", file=sys.stderr)
+            continue
+        tf = flops / ms / 1e9
+        rows.add(
+            kind="attention", inputs=family, n=n, pattern=pattern, config=tag(cfg), ms=ms,
+            eff_tflops=tf, pct_cudnn=tf / cudnn_tf, density=density, err_vs_fp32=err,
+        )  # fmt: skip
+        if best is None or ms < best[1]:
+            best = (cfg, ms)
+    return best
+
+
+def time_selectors(rows: Rows, family, n, q, k, selector, t_end):
+    """Check each selector variant against the default and time it (stats included)."""
+    from rbs_bench.kernels.block_stats import block_stats, rescue_beta
+    from rbs_bench.kernels.rbs_select import _launch
+
+    from rbs_bench.bench.attention import do_bench
+
+    bs = selector.block_size
+    forced = (selector.sink_blocks, selector.window_blocks, selector.last_q_blocks)
+    alphas = (selector.alpha_base, selector.alpha_rescue)
+
+    def select(kw, stats=None):
+        c, r = block_stats(k, bs)
+        u = r * rescue_beta(r)
+        return _launch(q, c, u, bs, *alphas, *forced, None, "both", stats=stats, **kw)
+
+    want = select({})
+    for name, kw in SELECTOR_CONFIGS.items():
+        if time.monotonic() > t_end:
+            print("time budget spent: selector variants", file=sys.stderr)
+            break
+        try:
+            stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+            got = select(kw, stats)
+            ms = do_bench(lambda kw=kw: select(kw), 100)
+        except Exception as e:
+            print(f"selector {name}: failed ({type(e).__name__}: {str(e)[:300]})", file=sys.stderr)
+            continue
+        cand, exact = stats.tolist()
+        rows.add(
+            kind="selector", inputs=family, n=n, pattern="rbs", config=name, ms=ms,
+            differ_counts=int((got[0] != want[0]).sum()), exact_share=exact / max(cand, 1),
+            density=selector.select(q, k).density(),
+        )  # fmt: skip
+
+
+def dense_ms(q, k, v, names=("sdpa_cudnn",)) -> dict:
+    from rbs_bench.bench.attention import dense_fns, do_bench
+
+    fns = dense_fns(q, k, v)
+    return {name: do_bench(fns[name], 100) for name in names}
+
+
+def errors(rows: Rows, family, n, q, k, v, sel, configs):
+    """Sparse output errors (each config) against fp32 over the kept blocks, next to dense
+    SDPA's against fp32 dense and PyTorch's bf16 SDPA over the same blocks (24 query blocks)."""
+    from rbs_bench.kernels import block_sparse_attn as bsa
+
+    from rbs_bench.bench.attention import (
+        dense_errors,
+        dense_fns,
+        error_stats,
+        sample_blocks,
+        sparse_references,
+    )
+
+    blocks = sample_blocks(n, 128, 24, seed=0)
+    dense = dense_errors(q, k, v, dense_fns(q, k, v), blocks, 128)
+    ref, shared = sparse_references(q, k, v, sel, dense)
+    lists = (sel.kv_count, sel.kv_indices, sel.block_q, sel.block_k)
+    for cfg in configs:
+        out = bsa._launch(q, k, v, *lists, None, False, None, as_config(cfg))
+        err, ulp = error_stats(out[:, :, dense.rows], ref)
+        rows.add(
+            kind="errors", inputs=family, n=n, pattern="rbs", config=tag(cfg), err_sparse=err,
+            err_sparse_ulp=ulp, **{k: v for k, v in shared.items() if k != "err_blocks"},
+        )  # fmt: skip
+
+
+def cmd_time(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = Rows(out / "variants.csv")
+    t_end = time.monotonic() + args.budget_s
+    props = torch.cuda.get_device_properties(0)
+    import triton
+
+    env = dict(
+        gpu=torch.cuda.get_device_name(), sms=props.multi_processor_count, torch=torch.__version__,
+        triton=triton.__version__, cuda=torch.version.cuda,
+    )  # fmt: skip
+    (out / "env.json").write_text(json.dumps(env, indent=1))
+    print(env, flush=True)
+    best = {}
+    for family, n in [(f, n) for n in args.lengths for f in args.inputs]:
+        if time.monotonic() > t_end:
+            break
+        q, k, v, selector, sel, density = setup(family, n)
+        dense = dense_ms(q, k, v, ("sdpa_fa2", "sdpa_cudnn") if n == LONG else ("sdpa_cudnn",))
+        flops = 4.0 * SHAPE["heads"] * SHAPE["head_dim"] * n * (n + 1) / 2
+        cudnn_tf = flops / dense["sdpa_cudnn"] / 1e9
+        for name, ms in dense.items():
+            rows.add(kind="dense", inputs=family, n=n, pattern=name, config=name, ms=ms,
+                     eff_tflops=flops / ms / 1e9)  # fmt: skip
+        b = time_attention(rows, family, n, "rbs", q, k, v, sel, density, cudnn_tf, t_end)
+        if b is not None:
+            best[f"{family}-{n}"] = (tag(b[0]), b[1], list(b[0]))
+        time_selectors(rows, family, n, q, k, selector, t_end)
+        if n == LONG and family == args.inputs[0] and time.monotonic() < t_end:
+            rnd = random_selection(n, SHAPE["heads"], density, seed=3)
+            dens = rnd.density()
+            time_attention(rows, family, n, "random", q, k, v, rnd, dens, cudnn_tf, t_end)
+        if n == LONG and time.monotonic() < t_end:
+            cfgs = list(dict.fromkeys([ATTENTION_CONFIGS[0]] + ([tuple(b[0])] if b else [])))
+            errors(rows, family, n, q, k, v, sel, cfgs)
+        (out / "best.json").write_text(json.dumps(best, indent=1))
+        del q, k, v, sel
+        torch.cuda.empty_cache()
+    summary(rows)
+    return 0
+
+
+def summary(rows: Rows) -> None:
+    import pandas as pd
+
+    df = pd.DataFrame(rows.rows)
+    if df.empty:
+        return
+    pd.set_option("display.width", 200)
+    for kind, cols in (
+        ("attention", ["ms", "eff_tflops", "pct_cudnn", "err_vs_fp32"]),
+        ("selector", ["ms", "exact_share", "differ_counts"]),
+    ):
+        sub = df[df["kind"] == kind]
+        if sub.empty:
+            continue
+        print(f"\n{kind}:")
+        print(sub.pivot_table(index="config", columns=["inputs", "n", "pattern"], values=cols[0]))
+        if kind == "attention":
+            print(
+                sub.pivot_table(index="config", columns=["inputs", "n", "pattern"], values=cols[2])
+            )
+        else:
+            print(sub.pivot_table(index="config", columns=["inputs", "n"], values=cols[1]))
+    err = df[df["kind"] == "errors"]
+    if not err.empty:
+        print("\nerrors at 128K:")
+        print(err.drop(columns=["kind", "pattern"]).to_string())
+
+
+def cmd_profile(args) -> int:
+    """One launch each of the previous and the fastest attention configuration and of two
+    selector variants at 128K, between cudaProfilerStart/Stop (for ncu)."""
+    from rbs_bench.kernels import block_sparse_attn as bsa
+    from rbs_bench.kernels.block_stats import block_stats, rescue_beta
+    from rbs_bench.kernels.rbs_select import _launch
+
+    best_path = Path(args.out) / "best.json"
+    best = json.loads(best_path.read_text()) if best_path.exists() else {}
+    key = f"{args.inputs[0]}-{LONG}"
+    cfgs = [ATTENTION_CONFIGS[0]] + ([tuple(best[key][2])] if key in best else [])
+    cfgs = list(dict.fromkeys(cfgs))
+    q, k, v, selector, sel, _ = setup(args.inputs[0], LONG)
+    lists = (sel.kv_count, sel.kv_indices, sel.block_q, sel.block_k)
+    forced = (selector.sink_blocks, selector.window_blocks, selector.last_q_blocks)
+    alphas = (selector.alpha_base, selector.alpha_rescue)
+    c, r = block_stats(k, 128)
+    u = r * rescue_beta(r)
+    kws = [SELECTOR_CONFIGS["fast"], SELECTOR_CONFIGS["two-pass"]]
+    for cfg in cfgs:  # compile and warm up outside the profiled range
+        bsa._launch(q, k, v, *lists, None, False, None, as_config(cfg))
+    for kw in kws:
+        _launch(q, c, u, 128, *alphas, *forced, None, "both", **kw)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for cfg in cfgs:
+        bsa._launch(q, k, v, *lists, None, False, None, as_config(cfg))
+    for kw in kws:
+        _launch(q, c, u, 128, *alphas, *forced, None, "both", **kw)
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+    print("profiled:", [tag(c) for c in cfgs], ["fast", "two-pass"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", nargs="?", default="time", choices=["time", "profile"])
+    ap.add_argument("--out", default="variants_out")
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--lengths", type=int, nargs="+", default=[131072, 65536, 32768])
+    ap.add_argument("--inputs", nargs="+", default=["synthetic", "needles"])
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("rbs-bench: error: the kernel variants need a CUDA device", file=sys.stderr)
+        return 2
+    return cmd_time(args) if args.mode == "time" else cmd_profile(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
