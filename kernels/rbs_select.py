@@ -19,11 +19,12 @@ local window ending at the diagonal, the last query rows); only b <= i is ever k
   keeps the 128-token query tile on chip, scores the key tiles with one `tl.dot` against a tile
   of centroids, writes the row's scores to its own scratch row (by key-block id), then
   thresholds them and writes the kept ids compacted with a prefix sum. Scores are in log2 units
-  (scale * log2 e folded into the logits). Within a row every exponential shares one offset (the
-  largest logit against key block 0, a candidate of every scored row), which keeps every score
-  that can reach a threshold far from fp32's underflow; a row whose scores come near overflow is
-  scored again with per-block maxima. Neither the N x M token logits nor the M x M scores reach
-  device memory.
+  (scale * log2 e folded into the logits) and exact: each key block's largest token logit is
+  subtracted before its exponentials, so their time does not depend on the logits' range (the
+  earlier one-offset-per-row path, `fast`, redid rows near fp32's overflow: 1.7x slower on the
+  `needles` inputs of `rbs_bench.synthetic`). Neither the N x M token logits nor the M x M scores
+  reach device memory. `_launch` keeps the other scoring paths (fast; two_pass, bounds first)
+  as options; docs/kernels.md has their timings.
 """
 
 from __future__ import annotations
@@ -820,25 +821,28 @@ def _launch(
     per_sm: int = 3,
     call: bool = True,
     offset: str = "block0",
-    two_pass: bool = True,
+    two_pass: bool = False,
     stats: Tensor | None = None,
 ):
     """`rbs_select` with the launch configuration open (for tests and tuning).
 
-    two_pass (the default): pass one bounds every candidate's score from its token logits'
-    maximum and mean (no exponentials), pass two scores exactly only the blocks whose upper
-    bound reaches the threshold the best lower bound implies; otherwise one pass scores every
-    candidate, exactly (each key block's token maximum subtracted) or, with fast, with one
-    exponent offset per row and an exact redo of rows near fp32's overflow (the earlier path,
-    kept to time against). share: score zero-uplift key blocks once for both branches;
-    per_sm: persistent programs per multiprocessor, to match the occupancy that the registers
-    (maxnreg) and shared memory allow (168 registers and 66 KB: 3 programs of 4 warps on a
-    Hopper SM); call: the row as a called function (False: inlined into the persistent loop,
-    whose registers then hold the row's loop invariants); offset: the row's exponent offset,
-    the largest logit against key block 0 ("block0": scores that matter cannot underflow) or
-    against the mean centroid ("mean": one reduction less; with fast, the redo covers rows
-    where it misses by more than 2^60). stats: int64 [2], if given, accumulates the scored
-    candidates and those scored exactly (pass two's live blocks; all of them in one pass).
+    By default one pass scores every candidate exactly (each key block's token maximum
+    subtracted before exponentiating: no logit range needs a second look). fast: one exponent
+    offset per row with an exact redo of rows near fp32's overflow (the earlier path; on inputs
+    with logits of 40-60 the redo made it 1.7x slower). two_pass: pass one bounds every
+    candidate's score from its token logits' maximum and mean (no exponentials), pass two scores
+    exactly only the blocks whose upper bound reaches the threshold that the best lower bound
+    implies (3-34% of them on the synthetic families); measured slower on an H100 (3.2 ms
+    against 2.8 at 128K), the exponentials not being what bounds the kernel (docs/kernels.md).
+    share: score zero-uplift key blocks once for both branches; per_sm: persistent programs per
+    multiprocessor, to match the occupancy that the registers (maxnreg) and shared memory allow
+    (168 registers and 66 KB: 3 programs of 4 warps on a Hopper SM); call: the row as a called
+    function (False: inlined into the persistent loop, whose registers then hold the row's loop
+    invariants); offset: the row's exponent offset, the largest logit against key block 0
+    ("block0": scores that matter cannot underflow) or against the mean centroid ("mean": one
+    reduction less; with fast, the redo covers rows where it misses by more than 2^60). stats:
+    int64 [2], if given, accumulates the scored candidates and those scored exactly (pass two's
+    live blocks; all of them in one pass).
     """
     base, rescue = _branches(branches)
     check_triton_launch("rbs_select", q, centroid, uplift_rescue if rescue else None)
