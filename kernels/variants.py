@@ -217,10 +217,10 @@ def errors(rows: Rows, family, n, q, k, v, sel, configs):
     lists = (sel.kv_count, sel.kv_indices, sel.block_q, sel.block_k)
     for cfg in configs:
         out = bsa._launch(q, k, v, *lists, None, False, None, as_config(cfg))
-        err, ulp = error_stats(out[:, :, dense.rows], ref)
+        err, rel = error_stats(out[:, :, dense.rows], ref)
         rows.add(
             kind="errors", inputs=family, n=n, pattern="rbs", config=tag(cfg), err_sparse=err,
-            err_sparse_ulp=ulp, **{k: v for k, v in shared.items() if k != "err_blocks"},
+            err_sparse_rel=rel, **{k: v for k, v in shared.items() if k != "err_blocks"},
         )  # fmt: skip
 
 
