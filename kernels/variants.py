@@ -2,6 +2,7 @@
 
     python -m rbs_bench.kernels.variants --out DIR [--budget-s 300]
     ncu ... --profile-from-start off python -m rbs_bench.kernels.variants profile --out DIR
+    ncu ... python -m rbs_bench.kernels.variants profile --tuned --lengths 65536 131072
 
 `time` (the default): per input family (`rbs_bench.synthetic.FAMILIES`) and length, RBS is
 calibrated to 5% measured density; then every configuration of the sparse attention kernel in
@@ -12,7 +13,8 @@ with the share of candidates the two-pass variant scores exactly. At 128K the sp
 error is compared with dense SDPA's (`rbs_bench.bench.attention`). Rows go to DIR/variants.csv as
 they finish; the fastest attention configuration goes to DIR/best.json, and a table is printed
 last. `profile` runs the previous and the fastest configuration and two selector variants once
-each at 128K between cudaProfilerStart/Stop, for ncu.
+each at 128K between cudaProfilerStart/Stop, for ncu; `profile --tuned` the autotuned attention
+kernel and the default selector at each length instead.
 """
 
 from __future__ import annotations
@@ -296,12 +298,29 @@ def summary(rows: Rows) -> None:
 
 
 def cmd_profile(args) -> int:
-    """One launch each of the previous and the fastest attention configuration and of two
-    selector variants at 128K, between cudaProfilerStart/Stop (for ncu)."""
+    """Launches between cudaProfilerStart/Stop (for ncu), each after a warm-up outside them.
+
+    Default: the previous and the fastest attention configuration and two selector variants at
+    128K. --tuned: at each of --lengths, the autotuned attention kernel (what the benchmark
+    runs) and the default selector, on RBS's selection at 5%.
+    """
     from rbs_bench.kernels import block_sparse_attn as bsa
     from rbs_bench.kernels.block_stats import block_stats, rescue_beta
     from rbs_bench.kernels.rbs_select import _launch
 
+    if args.tuned:
+        for n in args.lengths:
+            q, k, v, selector, sel, _ = setup(args.inputs[0], n)
+            lists = (sel.kv_count, sel.kv_indices, sel.block_q, sel.block_k)
+            bsa.block_sparse_attention(q, k, v, *lists)  # tunes, outside the profiled range
+            torch.cuda.synchronize()
+            torch.cuda.profiler.start()
+            bsa.block_sparse_attention(q, k, v, *lists)
+            selector.select(q, k)
+            torch.cuda.synchronize()
+            torch.cuda.profiler.stop()
+            print(f"profiled N={n}: tuned attention and the default selector", flush=True)
+        return 0
     best_path = Path(args.out) / "best.json"
     best = json.loads(best_path.read_text()) if best_path.exists() else {}
     key = f"{args.inputs[0]}-{LONG}"
@@ -337,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--lengths", type=int, nargs="+", default=[131072, 65536, 32768])
     ap.add_argument("--inputs", nargs="+", default=["synthetic", "needles"])
+    ap.add_argument(
+        "--tuned", action="store_true", help="profile: the autotuned kernel at each length"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("rbs-bench: error: the kernel variants need a CUDA device", file=sys.stderr)
