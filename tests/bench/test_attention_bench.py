@@ -149,5 +149,5 @@ def test_goal_rows_name_what_is_met_and_missed():
     assert "sdpa_fa2=26/25" in long["met"] and "pct_cudnn=0.87/0.85" in long["met"]
     assert "selector_ms=1.5/2" in long["met"] and "selector_share=0.09/0.12" in long["met"]
     assert long["missed"] == "sdpa_cudnn=14/15"
-    short = goals.loc[32768]
-    assert "pct_cudnn=0.48/0.75" in short["missed"] and "selector" not in short["missed"]
+    short = goals.loc[32768]  # below 64K only the TFLOP/s share is a goal
+    assert short["missed"] == "pct_cudnn=0.48/0.75" and short["met"] == ""
