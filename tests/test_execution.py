@@ -73,3 +73,22 @@ def test_execute_full_selection_is_causal_attention_gpu(executor):
     sel = BlockSelection.full(1, 4, 1000, 128, device="cuda")
     out = execute(q, k, v, sel, executor=executor)
     torch.testing.assert_close(out.float().cpu(), truth, atol=2e-2, rtol=2e-2)
+
+
+def test_execute_writes_into_a_model_layout_buffer():
+    """`out=` in [B, N, Hq, D] memory seen as [B, Hq, N, D] (what the HF hook passes) is filled
+    and returned, by the reference here and by MInference's own executor."""
+    from rbs_bench import methods
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 160, 32), torch.randn(1, 2, 160, 32), torch.randn(1, 2, 160, 32)
+    sel = BlockSelection.full(1, 4, 160, 64)
+    buf = torch.full((1, 160, 4, 32), float("nan")).transpose(1, 2)
+    got = execute(q, k, v, sel, executor="reference", out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(got, execute(q, k, v, sel, executor="reference"))
+    own = methods.build("minference").select(q, k)
+    buf = torch.full((1, 160, 4, 32), float("nan")).transpose(1, 2)
+    got = execute(q, k, v, own, out=buf)
+    assert got.data_ptr() == buf.data_ptr()
+    torch.testing.assert_close(got, execute(q, k, v, own))

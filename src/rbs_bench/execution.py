@@ -48,16 +48,21 @@ def execute(
     selection: BlockSelection,
     executor: str = "auto",
     scale: float | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Sparse causal prefill attention over the selection's kept blocks; out [B, Hq, N, D].
 
     q [B, Hq, N, D], k/v [B, Hkv, N, D]; the selection is per query head and N = seq_len.
     A pattern that is not block-level (e.g. MInference's vertical-slash) is not a
     `BlockSelection`: it brings its own executor as `selection.attend(q, k, v, scale)`.
+
+    `out` (any non-overlapping [B, Hq, N, D] view, e.g. a model's [B, N, Hq, D] buffer seen
+    through `.transpose(1, 2)`) lets the Triton kernel write there directly; the other
+    executors fill it with one copy. The returned tensor is then `out`.
     """
     if not isinstance(selection, BlockSelection):  # brings its own executors
         own = "reference" if resolve_executor(executor, q.device) == "reference" else "auto"
-        return selection.attend(q, k, v, scale=scale, executor=own)
+        return _into(selection.attend(q, k, v, scale=scale, executor=own), out)
     if selection.seq_len != q.shape[2]:
         raise ValueError(
             f"selection was made for seq_len={selection.seq_len} but q has N={q.shape[2]}"
@@ -65,4 +70,12 @@ def execute(
     name = resolve_executor(executor, q.device)
     kernel = _KERNELS[name]
     lists = (selection.kv_count, selection.kv_indices, selection.block_q, selection.block_k)
-    return kernel(q, k, v, *lists, scale=scale)
+    if name == "triton":
+        return kernel(q, k, v, *lists, scale=scale, out=out)
+    return _into(kernel(q, k, v, *lists, scale=scale), out)
+
+
+def _into(result: Tensor, out: Tensor | None) -> Tensor:
+    if out is None:
+        return result
+    return out.copy_(result)

@@ -218,7 +218,11 @@ def rbs_attention_forward(
             f"the sparse prefill path does not support; use a full-attention model"
         )
     if attention_mask is None:
-        out, density, sel_s, attn_s = _sparse(state, query, key, value, scaling)
+        # [B, N, Hq, D] memory seen as [B, Hq, N, D]: the kernel writes the layout the model
+        # reads next, so no transpose copy follows
+        b, hq, n, d = query.shape
+        buf = query.new_empty(b, n, hq, d).transpose(1, 2)
+        out, density, sel_s, attn_s = _sparse(state, query, key, value, scaling, out=buf)
         density = density.mean(0)
     else:
         out, density, sel_s, attn_s = _sparse_padded(
@@ -226,7 +230,7 @@ def rbs_attention_forward(
         )
     if density is not None:
         rec.record(layer, density, sel_s, attn_s)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous(), None  # a no-op view for the unpadded buffer
 
 
 def _check_finite(query: Tensor, key: Tensor, layer: int, rec: PrefillRecorder) -> None:
@@ -237,8 +241,13 @@ def _check_finite(query: Tensor, key: Tensor, layer: int, rec: PrefillRecorder) 
         raise FloatingPointError(_nonfinite_message(layer))
 
 
-def _sparse(state: _State, q: Tensor, k: Tensor, v: Tensor, scale: float | None):
-    """(out [B, Hq, N, D], head density [B, Hq], selector s, attention s) of unpadded rows."""
+def _sparse(
+    state: _State, q: Tensor, k: Tensor, v: Tensor, scale: float | None, out: Tensor | None = None
+):
+    """(out [B, Hq, N, D], head density [B, Hq], selector s, attention s) of unpadded rows.
+
+    `out`, if given, receives the output (the kernel writes the model's layout directly).
+    """
     rec = state.recorder
     # Triton launches on the current device: a layer on another GPU (model.device_map=auto)
     # must make its own device current
@@ -246,7 +255,7 @@ def _sparse(state: _State, q: Tensor, k: Tensor, v: Tensor, scale: float | None)
         t0 = rec.clock(q)
         sel = state.selector.select(q, k, scale=scale)
         t1 = rec.clock(q)
-        out = state.execute(q, k, v, sel, state.executor, scale=scale)
+        out = state.execute(q, k, v, sel, state.executor, scale=scale, out=out)
         t2 = rec.clock(q)
     return out, sel.head_density().float(), t1 - t0, t2 - t1
 
