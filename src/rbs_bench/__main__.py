@@ -24,6 +24,7 @@ from rbs_bench.config import (
     report_user_errors,
     validate,
 )
+from rbs_bench.models.memory import use_expandable_segments
 
 register_schemas()
 
@@ -92,6 +93,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    use_expandable_segments()
     # Compose once up front so a bad override (unknown option, misspelt field) is one clear line.
     preflight(sys.argv[1:])
     _hydra_main()

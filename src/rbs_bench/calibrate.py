@@ -50,6 +50,7 @@ from rbs_bench.config import (
     report_user_errors,
     validate,
 )
+from rbs_bench.models.memory import use_expandable_segments
 
 register_schemas()
 IGNORED_FIELDS = ("impl",)  # fields that change how, not what, a method selects
@@ -342,6 +343,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    use_expandable_segments()
     preflight(sys.argv[1:])
     _hydra_main()
 

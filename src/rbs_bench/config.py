@@ -166,6 +166,7 @@ class TimingCfg:
     seed: int = 0  # random weights and prompt tokens
     out_dir: str | None = None  # None: <results_dir>/speed
     time_budget_s: float | None = None  # start no new row after this; None: 450 on CUDA, no limit
+    retry_oom: bool = False  # rerun rows recorded as out of memory (after freeing memory)
 
 
 @dataclass

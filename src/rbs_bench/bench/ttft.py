@@ -88,6 +88,7 @@ from rbs_bench.models.hf_attention import (
     rbs_attention_forward,
     uninstall,
 )
+from rbs_bench.models.memory import use_expandable_segments
 from rbs_bench.records import write_atomic
 
 MiB = 2**20
@@ -157,6 +158,7 @@ class Settings:
     out: Path
     time_budget_s: float | None
     progress: bool = True
+    retry_oom: bool = False
 
     @property
     def tag(self) -> str:
@@ -255,6 +257,7 @@ def resolve(
         out=Path(out if out is not None else "results/speed"),
         time_budget_s=pick("time_budget_s"),
         progress=progress,
+        retry_oom=bool(tc.retry_oom),
     )
 
 
@@ -666,6 +669,10 @@ def _measure(cal: Calibrated, selector, q: Tensor, k: Tensor) -> None:
     cal.selector_workspace_mib, cal.selection_mib = selector_memory(selector, q, k)
 
 
+def _peak_mib(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated(device) / MiB if device.type == "cuda" else 0.0
+
+
 def _release(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -843,6 +850,8 @@ def run(s: Settings) -> pd.DataFrame:
     run_id = time.strftime("%Y-%m-%dT%H:%M:%S")  # rows of one process share it
     s.out.mkdir(parents=True, exist_ok=True)
     rows = load_rows(s.csv)
+    if s.retry_oom:  # run again; the new row replaces the oom one
+        rows = [r for r in rows if r.get("status") != "oom"]
     done = {row_key(r) for r in rows}
     common = {"model": s.model, "layers": s.layers, "dtype": MODEL_DTYPES[s.model]}
     common["ffn_chunk_tokens"] = s.ffn_chunk_tokens or 0
@@ -899,10 +908,15 @@ def run(s: Settings) -> pd.DataFrame:
         row.update(heads=lm.heads, kv_heads=lm.kv_heads, head_dim=lm.head_dim)
         row.update(batch=b, n=n, method=name, target=_target(s, name))
         row.update(_cal_columns(cal, b))
+        if lm.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(lm.device)
         try:
             row.update(status="ok", **time_row(s, lm, ids, name, cal))
-        except torch.cuda.OutOfMemoryError:
-            row.update(status="oom")
+        except torch.cuda.OutOfMemoryError as e:
+            # what was held when it failed, for results/scale and the memory estimate
+            row.update(status="oom", oom_peak_allocated_mib=_peak_mib(lm.device))
+            row.update(oom_error=str(e).splitlines()[0][:200])
+            tqdm.write(f"ttft: b={b} N={n} {name}: {row['oom_error']}", file=sys.stderr)
             _release(lm.device)
         except (KeyboardInterrupt, UserError):
             raise
@@ -1097,7 +1111,9 @@ def main(argv: list[str] | None = None) -> int:
         help="start no new row after this many seconds (default 450 on CUDA)",
     )
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--retry-oom", action="store_true", help="rerun rows recorded as out of memory")
     args = ap.parse_args(argv)
+    use_expandable_segments()
     tc = TimingCfg(
         model=args.model,
         layers=args.layers,
@@ -1114,6 +1130,7 @@ def main(argv: list[str] | None = None) -> int:
         sdpa_backend=args.sdpa_backend,
         seed=args.seed,
         time_budget_s=args.time_budget_s,
+        retry_oom=args.retry_oom,
     )
     try:
         s = resolve(tc, args.device, args.executor, args.out, progress=not args.no_progress)

@@ -21,11 +21,22 @@ estimate beside the peak each run measured.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass
 
 GiB = 2**30
 CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS/cuDNN workspaces and allocator slack, roughly
+ALLOC_CONF = "expandable_segments:True"
+
+
+def use_expandable_segments() -> None:
+    """Let PyTorch's CUDA allocator grow its segments in place, unless PYTORCH_CUDA_ALLOC_CONF is
+    set already. A long prefill frees and re-allocates GiB-sized activations in every layer
+    while the KV cache grows between them; with fixed segments the free memory splits into
+    pieces too small for the next layer's activations (see results/scale/ for the run that
+    showed it). The entry points call this before their first CUDA allocation."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOC_CONF)
 
 
 @dataclass
