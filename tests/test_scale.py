@@ -1,0 +1,101 @@
+"""results/scale/<gpu>.md from GPU records, calibration entries and full-depth TTFT rows."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import yaml
+
+from rbs_bench import scale
+
+
+def _record(method: str, density: float, ttft: float) -> dict:
+    return {
+        "method": method,
+        "budget": "d5" if method != "dense" else "default",
+        "task": "niah_single_1",
+        "index": 0,
+        "context_length": 131072,
+        "gpu": "NVIDIA H200",
+        "ttft_s": ttft,
+        "decode_s": 2.0,
+        "peak_allocated_mib": 77000,
+        "peak_reserved_mib": 79000,
+        # two layers x two heads; p90 differs from the mean
+        "density_layers_heads": [[density, density], [density, 3 * density]],
+        "score": 0.0,
+    }
+
+
+def test_scale_report_from_records(tmp_path):
+    res = tmp_path / "results"
+    for method, dens, ttft in [("dense", 1.0, 15.0), ("rbs", 0.04, 5.0)]:
+        cell = res / "runs" / "ruler_budget" / "qwen3_30b_a3b_random" / method / "x"
+        cell.mkdir(parents=True)
+        (cell / "records.jsonl").write_text(json.dumps(_record(method, dens, ttft)) + "\n")
+    cal = res / "calibration" / "qwen3_30b_a3b_random"
+    cal.mkdir(parents=True)
+    entry = {"target": 0.05, "knob": 3.0, "density_mean": 0.05, "abs_error": 7e-6, "steps": 3}
+    entry.update(forwards=6, prompts=2, context_length=131072, seconds=360.0, device="NVIDIA H200")
+    doc = {"model": "qwen3_30b_a3b_random", "method": "rbs", "entries": [entry]}
+    (cal / "rbs.yaml").write_text(yaml.safe_dump(doc))
+    speed = res / "speed"
+    speed.mkdir()
+    base = {"model": "qwen3_30b_a3b", "n": 131072, "status": "ok", "peak_reserved_mib": 1}
+    rows = [
+        {
+            **base,
+            "layers": 48,
+            "batch": 1,
+            "method": "dense",
+            "density": 1.0,
+            "ttft_ms": 900.0,
+            "attention_ms": 600.0,
+            "selector_ms": 0.0,
+            "peak_allocated_mib": 77000,
+        },
+        {
+            **base,
+            "layers": 48,
+            "batch": 1,
+            "method": "rbs",
+            "density": 0.05,
+            "ttft_ms": 300.0,
+            "attention_ms": 50.0,
+            "selector_ms": 5.0,
+            "peak_allocated_mib": 77000,
+        },
+        {
+            **base,
+            "layers": 4,
+            "batch": 1,
+            "method": "rbs",
+            "density": 0.05,
+            "ttft_ms": 1.0,
+            "attention_ms": 1.0,
+            "selector_ms": 1.0,
+            "peak_allocated_mib": 1,
+        },
+    ]
+    pd.DataFrame(rows).to_csv(speed / "ttft_nvidia_h200.csv", index=False)
+    values = tmp_path / "values.csv"
+    values.write_text(
+        "table,caption,row,column,value,unit,tex_line,derived\n"
+        "tab:calibration,c,RBS-Attention,GPU-hours,0.885,GPU-hours,742,0\n"
+        "tab:calibration,c,RBS-Attention,Configurations,3,count,742,0\n"
+    )
+
+    (path,) = scale.build(res, tmp_path / "out", values)
+    text = path.read_text()
+    assert path.name == "nvidia_h200.md" and text.startswith("# Paper scale on NVIDIA H200")
+    rbs_run = next(line for line in text.splitlines() if "| RBS-Attention | d5 |" in line)
+    cells = [c.strip() for c in rbs_run.split("|")]
+    assert cells[7:10] == ["5.00", "2.00", "75.2"]  # prefill s, decode s, peak GiB
+    assert cells[11] == "0.0600 / 0.0400 / 0.0960"  # mean / p50 / p90 over layers x heads
+    cal_row = next(line for line in text.splitlines() if "| 360.0 |" in line)
+    # 360 s on one GPU = 0.1 GPU-hours for 2 prompts -> 2.5 for 50; the paper's 0.885 beside
+    assert "| 0.1000 | 2.500 | 3 | 0.885 |" in cal_row
+    ttft = [line for line in text.splitlines() if line.startswith("| qwen3_30b_a3b | ")]
+    assert len(ttft) == 2  # the 4-layer row is not a full-depth row
+    assert "| 12.00 | 3.00 |" in ttft[1]  # attention and TTFT speedups over dense
