@@ -64,7 +64,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from rbs_bench.kernels.block_stats import triton_available
+from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.kernels.vertical_slash_attn import (
     attention_supported,
     check_pattern,

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from .block_stats import check_triton_launch, jit, tl, triton
+from .triton_util import check_triton_launch, jit, tl, triton
 
 CHUNK = 1024  # query rows per chunk of the reference
 

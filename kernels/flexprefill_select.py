@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .block_stats import check_triton_launch, jit, tl, triton
+from .triton_util import check_triton_launch, jit, tl, triton
 from .vertical_slash_attn import (
     _estimate,
     check_qk,
@@ -485,7 +485,7 @@ def flexprefill_select(
 
 def main() -> None:
     """Print one selection from the reference (and from the kernels, where Triton can run)."""
-    from .block_stats import INTERPRET
+    from .triton_util import INTERPRET
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -35,8 +35,8 @@ import math
 import torch
 from torch import Tensor
 
-from .block_stats import check_triton_launch, jit, tl, triton
-from .rbs_select import compact_mask, forced_mask
+from .block_masks import compact_mask, forced_mask
+from .triton_util import check_triton_launch, jit, tl, triton
 
 # Elements of the [B, Hq, tokens, M] bound tile built at once (bounds the reference's memory).
 _TILE_ELEMS = 1 << 24
@@ -391,7 +391,7 @@ def quest_select(
 
 def main() -> None:
     """Print one selection from the reference (and from the kernel, where Triton can run)."""
-    from .block_stats import INTERPRET
+    from .triton_util import INTERPRET
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -34,9 +34,9 @@ import math
 import torch
 from torch import Tensor
 
+from .block_masks import candidate_mask, compact_mask, forced_mask, relative_threshold
 from .block_scores import block_scores_ref
-from .block_sparse_attn import block_lists_from_mask
-from .block_stats import check_triton_launch, jit, tl, triton
+from .triton_util import check_triton_launch, jit, tl, triton
 
 # a real call: the callee's loop invariants are not hoisted into the caller's loop
 _jit_call = triton.jit(noinline=True) if triton is not None else jit
@@ -45,44 +45,6 @@ BRANCHES = ("both", "base", "rescue")
 
 
 # ---------------------------------------------------------------- the mask rule (pure PyTorch)
-
-
-def candidate_mask(m: int, device=None) -> Tensor:
-    """bool [M, M]: the scored candidates of query block i are the key blocks strictly before it."""
-    idx = torch.arange(m, device=device)
-    return idx[None, :] < idx[:, None]
-
-
-def forced_mask(
-    m: int, sink_blocks: int, window_blocks: int, last_q_blocks: int, device=None
-) -> Tensor:
-    """bool [M, M]: sink blocks, the local window ending at the diagonal, and the last query rows.
-
-    Restricted to the causal triangle b <= i (query and key blocks of the same size).
-    """
-    i = torch.arange(m, device=device)[:, None]
-    b = torch.arange(m, device=device)[None, :]
-    forced = (b < sink_blocks) | (b > i - window_blocks) | (i >= m - last_q_blocks)
-    return forced & (b <= i)
-
-
-def relative_threshold(scores: Tensor, candidates: Tensor, alpha: float) -> Tensor:
-    """Keep b iff L[i, b] >= log(alpha) + max over candidates of L[i, b'] (scores in log space).
-
-    scores fp32 [..., Mq, Mk]; candidates bool broadcastable to it. Rows without candidates keep
-    nothing.
-    """
-    masked = scores.masked_fill(~candidates, -math.inf)
-    row_max = masked.amax(-1, keepdim=True)
-    log_alpha = math.log(alpha) if alpha > 0 else -math.inf
-    return (masked >= row_max + log_alpha) & candidates
-
-
-def compact_mask(keep: Tensor) -> tuple[Tensor, Tensor]:
-    """(count int32 [..., M], ids int32 [..., M, M]): kept ids ascending, zeros past the count."""
-    count, ids = block_lists_from_mask(keep)
-    live = torch.arange(keep.shape[-1], device=keep.device) < count[..., None]
-    return count, torch.where(live, ids, torch.zeros_like(ids))
 
 
 def centred_centroids(centroid: Tensor, dot_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -998,7 +960,8 @@ def rbs_select(
 
 def main() -> None:
     """Print one selection from the reference (and from the kernel, where Triton can run)."""
-    from .block_stats import INTERPRET, block_stats_ref, rescue_beta_ref
+    from .block_stats import block_stats_ref, rescue_beta_ref
+    from .triton_util import INTERPRET
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .block_stats import check_triton_launch, jit, tl, triton
+from .triton_util import check_triton_launch, jit, tl, triton
 
 
 def check_vertical_slash_inputs(
@@ -1211,7 +1211,7 @@ def check_qk(q: Tensor, k: Tensor) -> None:
 
 def main() -> None:
     """Compare the executors with dense masked SDPA on one random pattern."""
-    from .block_stats import INTERPRET
+    from .triton_util import INTERPRET
 
     torch.manual_seed(0)
     b, hq, hkv, n, d = 1, 4, 2, 1000, 64

@@ -41,8 +41,8 @@ import math
 import torch
 from torch import Tensor
 
-from .block_stats import check_triton_launch, jit, tl, triton
-from .rbs_select import compact_mask
+from .block_masks import compact_mask
+from .triton_util import check_triton_launch, jit, tl, triton
 
 # Elements of the [B, Hq, rows, cols] reshaped-logit tile the reference builds at once.
 _TILE_ELEMS = 1 << 24
@@ -473,7 +473,7 @@ def xattn_select(
 
 def main() -> None:
     """Print one selection from the reference (and from the kernels, where Triton can run)."""
-    from .block_stats import INTERPRET
+    from .triton_util import INTERPRET
 
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -65,7 +65,8 @@ from rbs_bench.baselines.quest import box_scores_ref, box_stats_ref, top_fractio
 from rbs_bench.config import UserError
 from rbs_bench.kernels.block_mass import block_mass, block_mass_ref, causal_softmax_chunks
 from rbs_bench.kernels.block_scores import block_scores_ref
-from rbs_bench.kernels.block_stats import block_stats_ref, rescue_beta_ref, triton_available
+from rbs_bench.kernels.block_stats import block_stats_ref, rescue_beta_ref
+from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.kernels.vertical_slash_attn import membership
 from rbs_bench.methods.selection import BlockSelection, candidate_mask
 from rbs_bench.records import RecordStore, check_fingerprint, write_atomic

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from rbs_bench.kernels.block_stats import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 
 CUDA = torch.cuda.is_available()
 # where kernel tests run: CUDA, or the CPU under TRITON_INTERPRET=1 (set before import), else skip

@@ -14,7 +14,7 @@ import pytest
 import torch
 from interpreter_suite import CUDA, DEVICE, kernel_test
 from rbs_bench.kernels.block_mass import block_mass, block_mass_ref, causal_softmax_chunks
-from rbs_bench.kernels.block_stats import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 
 
 def qk(hq, hkv, n, d, seed=0, device="cpu", dtype=torch.float32):

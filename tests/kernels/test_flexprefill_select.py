@@ -18,7 +18,7 @@ import interpreter_suite
 import pytest
 import torch
 from interpreter_suite import CUDA, DEVICE, check_layout, kernel_test, lists_to_mask
-from rbs_bench.kernels.block_stats import INTERPRET, triton_available
+from rbs_bench.kernels.block_masks import compact_mask
 from rbs_bench.kernels.flexprefill_select import (
     block_means,
     compose_blocks,
@@ -29,7 +29,7 @@ from rbs_bench.kernels.flexprefill_select import (
     query_aware_blocks_ref,
     supported,
 )
-from rbs_bench.kernels.rbs_select import compact_mask
+from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 from rbs_bench.kernels.vertical_slash_attn import vertical_slash_estimate_ref
 
 from rbs_bench import methods

@@ -19,7 +19,7 @@ import interpreter_suite
 import pytest
 import torch
 from interpreter_suite import CUDA, DEVICE, check_layout, kernel_test, lists_to_mask
-from rbs_bench.kernels.block_stats import INTERPRET, triton_available
+from rbs_bench.kernels.block_masks import compact_mask, forced_mask
 from rbs_bench.kernels.quest_select import (
     _launch_scores,
     box_scores,
@@ -32,7 +32,7 @@ from rbs_bench.kernels.quest_select import (
     top_fraction,
     top_fraction_select,
 )
-from rbs_bench.kernels.rbs_select import compact_mask, forced_mask
+from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 
 from rbs_bench import methods
 

@@ -22,23 +22,11 @@ import interpreter_suite
 import pytest
 import torch
 from interpreter_suite import CUDA, DEVICE, check_layout, kernel_test, lists_to_mask
+from rbs_bench.kernels.block_masks import candidate_mask, forced_mask
 from rbs_bench.kernels.block_scores import block_scores_ref
-from rbs_bench.kernels.block_stats import (
-    INTERPRET,
-    block_stats,
-    block_stats_ref,
-    rescue_beta,
-    rescue_beta_ref,
-    triton_available,
-)
-from rbs_bench.kernels.rbs_select import (
-    _launch,
-    candidate_mask,
-    centred_centroids,
-    forced_mask,
-    rbs_select,
-    rbs_select_ref,
-)
+from rbs_bench.kernels.block_stats import block_stats, block_stats_ref, rescue_beta, rescue_beta_ref
+from rbs_bench.kernels.rbs_select import _launch, centred_centroids, rbs_select, rbs_select_ref
+from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 
 from rbs_bench import methods
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from interpreter_suite import CUDA, DEVICE, kernel_test
-from rbs_bench.kernels.block_stats import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 from rbs_bench.kernels.vertical_slash_attn import (
     coverage_count,
     coverage_select,

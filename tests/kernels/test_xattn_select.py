@@ -16,7 +16,7 @@ import interpreter_suite
 import pytest
 import torch
 from interpreter_suite import CUDA, DEVICE, check_layout, kernel_test, lists_to_mask
-from rbs_bench.kernels.block_stats import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 from rbs_bench.kernels.xattn_select import (
     _launch_mass,
     antidiagonal_mass,

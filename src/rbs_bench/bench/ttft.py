@@ -541,9 +541,9 @@ def block_statistics(selector, k: Tensor) -> list[tuple[str, Tensor]] | None:
         block_stats_ref,
         rescue_beta,
         rescue_beta_ref,
-        triton_available,
     )
     from rbs_bench.kernels.quest_select import box_stats
+    from rbs_bench.kernels.triton_util import triton_available
 
     name, bs = selector.name, getattr(selector, "block_size", 128)
     fast = k.is_cuda and triton_available() and getattr(selector, "impl", "torch") != "torch"

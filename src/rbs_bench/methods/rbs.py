@@ -32,15 +32,9 @@ import torch
 from torch import Tensor
 
 from rbs_bench.kernels.block_scores import block_scores_ref
-from rbs_bench.kernels.block_stats import (
-    INTERPRET,
-    block_stats,
-    block_stats_ref,
-    rescue_beta,
-    rescue_beta_ref,
-    triton_available,
-)
+from rbs_bench.kernels.block_stats import block_stats, block_stats_ref, rescue_beta, rescue_beta_ref
 from rbs_bench.kernels.rbs_select import rbs_select
+from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 from rbs_bench.methods.selection import (
     BlockSelection,
     candidate_mask,

@@ -14,14 +14,13 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+# The block-level mask rule lives beside the fused kernel that implements it, and is shared here.
+from rbs_bench.kernels.block_masks import candidate_mask, forced_mask, relative_threshold
 from rbs_bench.kernels.block_sparse_attn import (
     block_geometry,
     block_lists_from_mask,
     block_mask_from_lists,
 )
-
-# The block-level mask rule lives beside the fused kernel that implements it, and is shared here.
-from rbs_bench.kernels.rbs_select import candidate_mask, forced_mask, relative_threshold
 
 __all__ = [
     "BlockSelection",
