@@ -339,3 +339,15 @@ class KnobSearch:
             f"{self.base.name} at density {self.target:.4f}: closest {res['density_mean']:.5f} "
             f"(error {res['abs_error']:.2e} > tolerance {self.tol:g}); {why}"
         )
+
+
+def search_on(base, q, k, target: float, tol: float, scale: float | None = None):
+    """(selector, measured density): `KnobSearch` on one input's q/k (one layer), ending at the
+    closest density where the target is out of reach or between two steps of the density."""
+    search = KnobSearch(base, target, tol, closest=True)
+    while not search.done:
+        curve = density_curve(base, q, k, scale, search.values)
+        search.update([curve[search.values.index(search.knob)]], curve)
+    res = search.result()
+    selector = base.with_knob(res["knob"])
+    return selector, float(res["density_mean"])

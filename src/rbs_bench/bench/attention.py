@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rbs_bench import methods, synthetic
+from rbs_bench.budget import search_on
 from rbs_bench.execution import EXECUTORS, execute
 from rbs_bench.kernels.block_sparse_attn import block_sparse_attention_ref
 from rbs_bench.kernels.flex_attn import flex_block_sparse_attention
@@ -113,30 +114,10 @@ def dense_fns(q, k, v) -> dict:
     }
 
 
-def calibrate(name: str, q, k, target: float, tol: float = 0.002, steps: int = 30):
-    """The selector whose knob gives `target` measured density on this input (bisection)."""
-    base = methods.build(name)
-    # Bounded knobs (coverage, fraction) are searched linearly, open-ended ones in log space.
-    lo, hi = getattr(base, "knob_range", (1e-4, 1e3))
-    log = lo > 0
-    if log:
-        lo, hi = math.log(lo), math.log(hi)
-    best = None
-    for _ in range(steps):
-        mid = (lo + hi) / 2
-        sel = base.with_knob(math.exp(mid) if log else mid)
-        density = sel.select(q, k).density()
-        if best is None or abs(density - target) < abs(best[1] - target):
-            best = (sel, density)
-        if abs(density - target) <= tol:
-            break
-        # knob_direction -1: a larger knob keeps fewer blocks
-        too_dense = density > target
-        if (too_dense and base.knob_direction < 0) or (not too_dense and base.knob_direction > 0):
-            lo = mid
-        else:
-            hi = mid
-    return best
+def calibrate(name: str, q, k, target: float, tol: float = 0.002):
+    """The selector whose knob gives `target` measured density on this input, and that density
+    (`budget.search_on`: the harness's one knob search, on this one layer's q/k)."""
+    return search_on(methods.build(name), q, k, target, tol)
 
 
 def run_executor(q, k, v, selection, executor: str):
