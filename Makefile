@@ -54,11 +54,13 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/serving
 
 # Every paper-layout table (Markdown + LaTeX) from the run records, ours beside the paper's values.
-# Reads $(RESULTS)/runs and $(RESULTS)/speed; writes $(RESULTS)/tables/ (never reruns a model).
+# Reads $(RESULTS)/runs, calibration and speed; writes $(RESULTS)/tables/ and the GPU cost reports
+# $(RESULTS)/scale/<gpu>.md (never reruns a model).
 RESULTS ?= results
 PAPER_VALUES ?= results/paper/paper_values.csv
 tables: install
 	$(PY) -m rbs_bench.tables --results $(RESULTS) --paper-values $(PAPER_VALUES)
+	$(PY) -m rbs_bench.scale --results $(RESULTS) --paper-values $(PAPER_VALUES)
 
 # Every figure from the run records: budget and length curves, Figure 1 (observations).
 figures: install

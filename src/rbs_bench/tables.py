@@ -1454,12 +1454,6 @@ def check_paper_values(tex: Path, csv_path: Path) -> list[str]:
     return sorted(diffs)
 
 
-def build_scale(results: Path, out: Path | None, values: Path) -> list[Path]:
-    from rbs_bench import scale
-
-    return scale.build(results, out, values)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=Path("results"))
@@ -1483,8 +1477,6 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or args.results / "tables"
         written = build_tables(args.results, out, values)
         written += build_timing_tables(args.results, out)
-        # the GPU cost reports sit beside the tables: results/scale, or <out>/scale
-        written += build_scale(args.results, args.out / "scale" if args.out else None, values)
     except UserError as e:
         print(f"rbs-bench: error: {e}", file=sys.stderr)
         return 2

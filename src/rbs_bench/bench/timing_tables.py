@@ -28,6 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from rbs_bench.config import UserError
+from rbs_bench.models.rehearsal import full_depth
 from rbs_bench.records import write_atomic
 from rbs_bench.tables import (
     DISPLAY,
@@ -279,7 +280,7 @@ def _paper_speed_note(pv: PaperValues) -> str:
 def _unlike_paper(df: pd.DataFrame) -> str:
     """How the timed model differs from the paper's FP8 Qwen3-30B-A3B on two A100s."""
     r = df.iloc[-1]
-    layers, full = int(r["layers"]), _full_depth(str(r["model"]))
+    layers, full = int(r["layers"]), full_depth(str(r["model"]))
     if full is None:
         return f"this is a {layers}-layer toy model"
     if layers < full:
@@ -288,15 +289,6 @@ def _unlike_paper(df: pd.DataFrame) -> str:
         f"this model runs all {layers} layers, but in {r['dtype']} with random weights in HF "
         f"transformers on one {r['device']}"
     )
-
-
-def _full_depth(model: str) -> int | None:
-    """Decoder layers of a shipped architecture (None for the embedded tiny model)."""
-    from rbs_bench.models import rehearsal
-
-    if model not in rehearsal.architectures():
-        return None
-    return int(rehearsal.architecture_fields(model)["num_hidden_layers"])
 
 
 def _dense_line(one: pd.DataFrame, ns) -> str:

@@ -31,6 +31,13 @@ def architecture_fields(name: str) -> dict:
     return json.loads((ARCHITECTURES / f"{name}.json").read_text())
 
 
+def full_depth(name: str) -> int | None:
+    """Decoder layers of a shipped architecture; None for any other model name."""
+    if name not in architectures():
+        return None
+    return int(architecture_fields(name)["num_hidden_layers"])
+
+
 def architecture_config(name: str, **overrides):
     """The transformers config of a shipped architecture, with fields overridden (e.g.
     num_hidden_layers for a shallower timing model, YaRN rope parameters for a longer context)."""
