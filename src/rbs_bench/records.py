@@ -32,6 +32,7 @@ from rbs_bench.config import UserError
 KEY_FIELDS = ("task", "context_length", "index")
 LOCK_NAME = ".lock"
 CELL_FILE = "cell.json"
+_LOCKS: dict[str, FileLock] = {}  # lock path -> the one FileLock of this process
 
 
 def record_key(rec: dict) -> tuple:
@@ -39,11 +40,15 @@ def record_key(rec: dict) -> tuple:
 
 
 def cell_lock(cell_dir: Path) -> FileLock:
-    """The lock of one cell directory (`<cell dir>/.lock`): one object per path in a process
-    (`is_singleton`), so the runner's hold and `RecordStore.append`'s nest."""
+    """The lock of one cell directory (`<cell dir>/.lock`): one object per path in a process, so
+    the runner's hold and `RecordStore.append`'s nest (a FileLock counts its holds; two objects
+    on one file would wait for each other)."""
     cell_dir = Path(cell_dir)
     cell_dir.mkdir(parents=True, exist_ok=True)
-    return FileLock(str((cell_dir / LOCK_NAME).resolve()), is_singleton=True)
+    path = str((cell_dir / LOCK_NAME).resolve())
+    if path not in _LOCKS:
+        _LOCKS[path] = FileLock(path)
+    return _LOCKS[path]
 
 
 def _parse(path: Path, lineno: int, line: bytes | str) -> dict | None:
