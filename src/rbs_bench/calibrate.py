@@ -21,14 +21,19 @@ falls outside the bracket bisects it instead. The search stops within `calibrati
 Results go to `<calibration.dir>/<model>/<method>.yaml`, one entry per target and setting (the
 method's fields other than its knob, and the calibration prompts' benchmark, task and length), with
 the knob, mean/p50/p90 density over the prompts, the achieved error and the cost (seconds, model
-forwards, prompts, device). `budget=<name>` in a run reads the entry of its own setting. An entry
-that already meets the tolerance on as many prompts is kept: rerunning is a no-op.
+forwards, prompts, device). `budget=<name>` in a run reads the entry of its own setting, and uses it
+only if its density lies within its tolerance of its target (`entry_problem`). An entry that
+already meets the tolerance on as many prompts is kept: rerunning is a no-op. Writers hold the
+lock `<calibration.dir>/<model>/<method>.yaml.lock` (filelock: `flock`, see records.py) while they
+re-read, merge and replace the file, so parallel calibrations of one method keep every entry.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +42,7 @@ import hydra
 import numpy as np
 import torch
 import yaml
+from filelock import FileLock
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
@@ -54,6 +60,9 @@ from rbs_bench.models.memory import use_expandable_segments
 
 register_schemas()
 IGNORED_FIELDS = ("impl",)  # fields that change how, not what, a method selects
+# The farthest an entry the search could not bring within its tolerance (the density steps over
+# the target) may lie from its target and still be used for it (entry_problem).
+CLOSEST_SLACK = 0.01
 
 
 @dataclass
@@ -168,9 +177,12 @@ def _describe(s: dict | None) -> str:
     return f"{fields}; {s['benchmark']} {s['task']} at {s['context_length']} tokens"
 
 
+def _read(path: Path) -> dict | None:
+    return yaml.safe_load(path.read_text()) if path.exists() else None
+
+
 def _entries(path: Path) -> list[dict]:
-    data = yaml.safe_load(path.read_text()) if path.exists() else None
-    return (data or {}).get("entries", [])
+    return (_read(path) or {}).get("entries") or []
 
 
 def find_entry(cfg, base=None) -> dict | None:
@@ -207,28 +219,74 @@ def load_knob(cfg) -> float:
     UserError naming the command that makes it."""
     base = _base(cfg)
     entry = find_entry(cfg, base)
-    if entry is not None:
-        return float(entry["knob"])
     path = calibration_path(cfg)
+    if entry is not None:
+        problem = entry_problem(entry, cfg.calibration.tolerance)
+        if problem is None:
+            return float(entry["knob"])
+        raise UserError(
+            f"{path}: the calibration of {cfg.method.name} at density {cfg.budget.target} "
+            f"({_describe(setting(cfg, base))}) {problem}; recalibrate it with: "
+            f"{_calibrate_command(cfg)}"
+        )
     raise UserError(
         f"no calibration of {cfg.method.name} at density {cfg.budget.target} for model "
         f"{cfg.model.name} ({_describe(setting(cfg, base))}) in {path}; create it with: "
+        f"{_calibrate_command(cfg)}"
+    )
+
+
+def _calibrate_command(cfg) -> str:
+    return (
         f"python -m rbs_bench.calibrate model={cfg.model.name} method={cfg.method.name} "
         f"{_budget_args(cfg)} and the run's other arguments (e.g. its +experiment=...)"
     )
 
 
+def entry_problem(entry: dict, tolerance: float) -> str | None:
+    """Why a stored entry cannot stand for its target (None if it can).
+
+    Its mean density must lie within its tolerance (the one it was calibrated under, else
+    `tolerance`) of its target. An entry the search could not bring that close (the density steps
+    over the target, or the steps ran out) is the closest the knob reaches and is used when its
+    recorded error is the distance between its density and its target and that distance is at
+    most CLOSEST_SLACK: an entry whose density belongs to another target fails both."""
+    if not isinstance(entry.get("density_mean"), (int, float)):
+        return "records no density_mean, so nothing shows its knob gives that density"
+    target, density = float(entry["target"]), float(entry["density_mean"])
+    tol = float(entry.get("tolerance", tolerance))
+    err = abs(density - target)
+    if err <= tol:
+        return None
+    closest = math.isclose(err, float(entry.get("abs_error", -1)), rel_tol=1e-6, abs_tol=1e-12)
+    if closest and err <= CLOSEST_SLACK:
+        return None
+    return (
+        f"records density {density:.4f}, {err:.4f} from its target (tolerance {tol:g}"
+        + (f", recorded error {float(entry['abs_error']):.2g}" if "abs_error" in entry else "")
+        + "), so its knob belongs to another density"
+    )
+
+
 def store(cfg, entry: dict) -> Path:
+    """Add `entry` to the method's calibration file, replacing the entry of the same target and
+    setting. Concurrent writers (a SLURM array of calibrations) each hold the file's lock
+    `<method>.yaml.lock` while they re-read the file, merge and write it through their own temp
+    file, so no writer's entry is lost."""
     path = calibration_path(cfg)
-    data = yaml.safe_load(path.read_text()) if path.exists() else None
-    data = data or {"model": cfg.model.name, "method": cfg.method.name, "entries": []}
-    same = lambda e: e["target"] == entry["target"] and e.get("setting") == entry.get("setting")
-    data["entries"] = [e for e in data["entries"] if not same(e)] + [entry]
-    data["entries"].sort(key=lambda e: (e["target"], yaml.safe_dump(e.get("setting"))))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
-    tmp.replace(path)
+    with FileLock(str(path) + ".lock"):
+        data = _read(path) or {"model": cfg.model.name, "method": cfg.method.name, "entries": []}
+        same = lambda e: e["target"] == entry["target"] and e.get("setting") == entry.get("setting")
+        data["entries"] = [e for e in data.get("entries") or [] if not same(e)] + [entry]
+        data["entries"].sort(key=lambda e: (e["target"], yaml.safe_dump(e.get("setting"))))
+        with tempfile.NamedTemporaryFile(
+            "w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
+        ) as tmp:
+            tmp.write(yaml.safe_dump(data, sort_keys=False))
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp.name, path)
     return path
 
 
@@ -262,6 +320,7 @@ def calibrate_cell(cfg, session) -> dict | None:
     old = find_entry(cfg, base)
     if (
         old is not None
+        and entry_problem(old, cfg.calibration.tolerance) is None  # else it is redone
         # met the tolerance, or was the closest reachable under this same tolerance (the density
         # steps over the target): either way a rerun would find the same knob
         and (

@@ -6,12 +6,14 @@ the same command skips every sample already recorded there.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import Timeout
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
@@ -19,9 +21,10 @@ from rbs_bench import benchmarks, methods, models
 from rbs_bench.config import UserError, out_of_time
 from rbs_bench.execution import resolve_executor
 from rbs_bench.models.hf_attention import install, uninstall
-from rbs_bench.records import RecordStore, check_fingerprint
+from rbs_bench.records import RecordStore, cell_lock, check_settings, write_settings
 
 MiB = 2**20
+LOCK_POLL_S = 10  # how often a run waiting for a cell's lock checks its time budget
 
 
 def cell_dir(cfg: DictConfig, experiment: str) -> Path:
@@ -65,6 +68,8 @@ def build_selector(cfg: DictConfig, apply_budget: bool = True):
     sel = build_method(cfg)
     if not apply_budget or sel.knob is None:
         return sel  # dense has nothing to set: every budget means density 1
+    if budget.knob is not None or budget.target is not None:
+        _refuse_overridden_knob_fields(cfg, sel)
     try:
         if budget.knob is not None:
             return sel.with_knob(budget.knob)
@@ -75,6 +80,31 @@ def build_selector(cfg: DictConfig, apply_budget: bool = True):
     except ValueError as e:
         raise UserError(str(e)) from None
     return sel
+
+
+def _refuse_overridden_knob_fields(cfg: DictConfig, sel) -> None:
+    """A budget sets the fields its knob moves (rbs: alpha_base and alpha_rescue); a value given
+    for one of them would be replaced without a word, so it stops the run instead."""
+    from rbs_bench.budget import knob_fields
+
+    defaults = {f.name: f.default for f in dataclasses.fields(sel)}
+    given = sorted(
+        f
+        for f in knob_fields(sel)
+        if f in defaults and f in cfg.method and getattr(sel, f) != defaults[f]
+    )
+    if given:
+        how = (
+            f"its knob {sel.knob}={cfg.budget.knob:g}"
+            if cfg.budget.knob is not None
+            else f"the {sel.knob} calibrated to density {cfg.budget.target:g}"
+        )
+        fields = ", ".join(f"method.{f}={getattr(sel, f)!r}" for f in given)
+        raise UserError(
+            f"{fields} would be replaced by budget {cfg.budget.name!r}: {how} sets "
+            f"{', '.join(f'method.{f}' for f in sorted(knob_fields(sel)))}; drop {fields} to run "
+            "at the budget, or run at the fields as given with budget=default"
+        )
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -214,30 +244,74 @@ def _eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def run_settings(cfg: DictConfig, selector, bench) -> dict:
+    """What every record of the cell must share, flat (`method.alpha_base`, `budget.target`, ...):
+    the settings `records.check_settings` compares a rerun's with."""
+    return _flatten(
+        {
+            "model": models.identity(cfg.model),
+            "method": selector.fields() | {"name": selector.name},
+            "budget.knob": cfg.budget.knob,
+            "budget.target": cfg.budget.target,
+            "benchmark": {
+                "name": cfg.benchmark.name,
+                "version": bench.VERSION,
+                "seed": cfg.benchmark.seed,
+                "max_new_tokens": cfg.benchmark.max_new_tokens,
+            },
+        }
+    )
+
+
+def _acquire(lock, cfg: DictConfig, label: str) -> bool:
+    """Take the cell's lock, waiting while another run holds it; False if the run's time budget
+    ends first."""
+    try:
+        lock.acquire(timeout=0)
+        return True
+    except Timeout:
+        print(
+            f"{label}: another run holds {lock.lock_file}; waiting for it to finish "
+            "(the samples it records are skipped here)",
+            flush=True,
+        )
+    while not out_of_time(cfg):
+        try:
+            lock.acquire(timeout=LOCK_POLL_S)
+            return True
+        except Timeout:
+            pass
+    print(
+        f"{label}: time_budget_s={cfg.time_budget_s:g} reached while waiting for {lock.lock_file}"
+    )
+    return False
+
+
 def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) -> Path:
-    """Run every pending sample of one cell; return the records file."""
+    """Run every pending sample of one cell; return the records file.
+
+    The cell's lock (`<cell dir>/.lock`, records.py) is held from the settings check to the last
+    record, so a second run of the same cell waits, then finds the first one's samples recorded
+    and skips them."""
     _check_benchmark(cfg)
     selector = build_selector(cfg)
     bench = benchmarks.get(cfg.benchmark.name)
     out_dir = cell_dir(cfg, experiment)
-    check_fingerprint(
-        out_dir / "cell.json",
-        _flatten(
-            {
-                "model": models.identity(cfg.model),
-                "method": selector.fields() | {"name": selector.name},
-                "budget.knob": cfg.budget.knob,
-                "budget.target": cfg.budget.target,
-                "benchmark": {
-                    "name": cfg.benchmark.name,
-                    "version": bench.VERSION,
-                    "seed": cfg.benchmark.seed,
-                    "max_new_tokens": cfg.benchmark.max_new_tokens,
-                },
-            }
-        ),
-    )
+    settings = run_settings(cfg, selector, bench)
+    label = f"{experiment}/{cfg.model.name}/{selector.name}/{cfg.budget.name}"
+    lock = cell_lock(out_dir)
+    if not _acquire(lock, cfg, label):
+        return out_dir / "records.jsonl"
+    try:
+        return _run_locked(cfg, experiment, session, logger, selector, bench, settings, label)
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg, experiment, session, logger, selector, bench, settings, label) -> Path:
+    out_dir = cell_dir(cfg, experiment)
     store = RecordStore(out_dir / "records.jsonl")
+    check_settings(store, settings)  # before the model loads: a mismatch costs nothing
     loaded = session.load(cfg)
     executor = resolve_executor(cfg.executor, loaded.device)
     work = [
@@ -251,12 +325,14 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
         old = store.done((s.task, n, s.index))
         if old and old["prompt_sha1"] != _prompt_sha1(s):
             raise UserError(
-                f"{store.path} was made from different prompts ({old['benchmark_version']}"
-                f"); delete it or use results_dir=... to keep both"
+                f"{store.path} holds {s.task} sample {s.index} at {n} tokens made from a "
+                f"different prompt than this run's (benchmark version {old['benchmark_version']}, "
+                "or the benchmark's data or the tokenizer changed); use results_dir=... or "
+                "budget.name=... for this run, or delete that file"
             )
-    label = f"{experiment}/{cfg.model.name}/{selector.name}/{cfg.budget.name}"
     if not pending:
         print(f"{label}: all {len(work)} samples already recorded")
+        write_settings(store, settings)  # (re)builds a missing cell.json from the checked records
         return store.path
     recorder = install(loaded.model, selector, executor)
     eos = _eos_ids(loaded.model, loaded.tokenizer)
@@ -271,13 +347,17 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
                     "command to continue (finished samples are kept)"
                 )
                 break
+            if store.done((sample.task, length, sample.index)):
+                continue
             if loaded.device.type == "cuda" and length not in warmed:
                 _warm_up(loaded, sample)  # compile/autotune outside the timed region
                 warmed.add(length)
             rec = _run_sample(
                 cfg, experiment, selector, bench, loaded, recorder, eos, sample, length
             )
-            store.append(rec)
+            if not store.append(rec):
+                continue  # recorded meanwhile by a run that did not take the cell lock
+            write_settings(store, settings)  # cell.json once a record exists, not before
             if logger is not None:
                 logger.log_sample(rec)
             bar.set_postfix(score=f"{rec['score']:.0f}", density=f"{rec['density']:.3f}")
@@ -366,6 +446,9 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
         "budget_target": cfg.budget.target,
         "benchmark": cfg.benchmark.name,
         "benchmark_version": bench.VERSION,
+        "benchmark_seed": cfg.benchmark.seed,
+        "max_new_tokens": cfg.benchmark.max_new_tokens,
+        "model_identity": models.identity(cfg.model),
         "task": sample.task,
         "context_length": length,
         "index": sample.index,

@@ -179,6 +179,7 @@ def _entry(cfg, knob, **extra):
         "target": cfg.budget.target,
         "knob": knob,
         "knob_name": base.knob,
+        "density_mean": cfg.budget.target + 1e-5,
         "abs_error": 1e-5,
         "prompts": 2,
         "setting": calibrate.setting(cfg, base),
