@@ -229,10 +229,19 @@ def _plain(settings: dict) -> dict:
     return json.loads(json.dumps(settings))
 
 
+# settings no override sets: the code's benchmark version and the weights' digest
+_NOT_OVERRIDES = ("benchmark.version", "model.weights")
+
+
 def _refuse(prefix: str, key: str, have, want) -> UserError:
+    back = (
+        "that cell was made by other code or weights"
+        if key in _NOT_OVERRIDES
+        else f"run with {key}={have!r} to add to that cell"
+    )
     return UserError(
-        f"{prefix} {key}={have!r}, but this run has {key}={want!r}; run with {key}={have!r} to "
-        "add to that cell, or give this run its own results_dir=... or budget.name=..."
+        f"{prefix} {key}={have!r}, but this run has {key}={want!r}; {back}, or give this run its "
+        "own results_dir=... or budget.name=..."
     )
 
 
