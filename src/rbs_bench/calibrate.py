@@ -28,6 +28,7 @@ that already meets the tolerance on as many prompts is kept: rerunning is a no-o
 from __future__ import annotations
 
 import math
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -169,8 +170,26 @@ def _describe(s: dict | None) -> str:
 
 
 def _entries(path: Path) -> list[dict]:
-    data = yaml.safe_load(path.read_text()) if path.exists() else None
-    return (data or {}).get("entries", [])
+    """The entries of a calibration file; a file that is not such YAML is a one-line UserError
+    naming the file, the line and the repair."""
+    fix = f"repair it, or delete {path} and rerun python -m rbs_bench.calibrate to remake it"
+    try:
+        data = yaml.safe_load(path.read_text()) if path.exists() else None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{path}{where} is not valid YAML ({problem}); {fix}") from None
+    entries = (data or {}).get("entries", []) if isinstance(data, dict) or data is None else None
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("target"), (int, float)) and "knob" in e
+        for e in entries
+    ):
+        raise UserError(
+            f"{path} is not a calibration file (a mapping whose 'entries' list holds mappings "
+            f"with target and knob); {fix}"
+        )
+    return entries
 
 
 def find_entry(cfg, base=None) -> dict | None:
@@ -213,9 +232,31 @@ def load_knob(cfg) -> float:
     raise UserError(
         f"no calibration of {cfg.method.name} at density {cfg.budget.target} for model "
         f"{cfg.model.name} ({_describe(setting(cfg, base))}) in {path}; create it with: "
-        f"python -m rbs_bench.calibrate model={cfg.model.name} method={cfg.method.name} "
-        f"{_budget_args(cfg)} and the run's other arguments (e.g. its +experiment=...)"
+        f"{calibrate_command(cfg)}"
     )
+
+
+def calibrate_command(cfg) -> str:
+    """The command that calibrates this cell, ready to paste: the run's own command-line
+    overrides (experiment, results_dir, model, lengths, fields), with the cell's method and
+    budget in place of any method or budget choice (a sweep among them)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from rbs_bench import config
+
+    if HydraConfig.initialized():
+        given = list(HydraConfig.get().overrides.task)
+    else:
+        given = list(config.COMMAND_OVERRIDES or [])
+    from rbs_bench.config import group_options
+
+    key = lambda o: o.split("=", 1)[0].lstrip("+~")
+    cell = {"method", "budget", "budget.name", "budget.target", "budget.knob"}
+    keep = [o for o in given if key(o) not in cell]
+    if "model" not in map(key, keep) and cfg.model.name in group_options("model"):
+        keep.append(f"model={cfg.model.name}")  # the same model, whatever chose it
+    args = keep + [f"method={cfg.method.name}", *_budget_args(cfg).split()]
+    return " ".join(["python -m rbs_bench.calibrate", *map(shlex.quote, args)])
 
 
 def store(cfg, entry: dict) -> Path:
@@ -312,6 +353,7 @@ def calibrate_cell(cfg, session) -> dict | None:
 
 def run(cfg: DictConfig) -> None:
     from rbs_bench.__main__ import grid_overrides
+    from rbs_bench.checks import check_cell
     from rbs_bench.runner import Session
 
     hc = HydraConfig.get()
@@ -319,10 +361,13 @@ def run(cfg: DictConfig) -> None:
         hydra.compose(config_name="config", overrides=list(hc.overrides.task) + grid)
         for grid in grid_overrides(hc)
     ]
+    experiment = hc.runtime.choices.get("experiment") or "adhoc"
+    for cell in cells:  # every cell, before the first one loads a model
+        validate(cell)
+        check_cell(cell, experiment, calibrating=True)
     session = Session()
     done = 0
     for i, cell in enumerate(cells):
-        validate(cell)
         if out_of_time(cell):
             print(
                 f"time_budget_s={cell.time_budget_s:g} reached with {len(cells) - i} cells left; "
@@ -344,7 +389,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     use_expandable_segments()
-    preflight(sys.argv[1:])
+    preflight(sys.argv[1:], calibrating=True)
     _hydra_main()
 
 
