@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from rbs_bench.config import (
     CONFIG_MODULE,
     preflight,
+    reference_cells,
     register_schemas,
     report_user_errors,
     sweep_cells,
@@ -56,9 +57,10 @@ def run(cfg: DictConfig) -> None:
     if hc.mode == RunMode.MULTIRUN:
         cells = [cfg]  # the launcher already expanded the grid: this job is one cell
     else:
+        grids = reference_cells(cfg, list(hc.overrides.task)) + grid_overrides(hc)
         cells = [
             hydra.compose(config_name="config", overrides=list(hc.overrides.task) + grid)
-            for grid in grid_overrides(hc)
+            for grid in grids
         ]
     for cell in cells:
         validate(cell)  # `+key=value` overrides pass composition; catch misspelt ones here

@@ -187,6 +187,10 @@ class RunCfg:
     time_budget_s: float | None = None
     observations: ObservationsCfg | None = None  # set by +experiment=observations
     timing: TimingCfg | None = None  # set by +experiment=speed|memory|throughput|selector_time
+    # Cells run besides the sweep, each a space-separated list of overrides (ruler_budget: the
+    # dense reference, "method=dense budget=default"); left out when the command line pins the
+    # method. Hydra's own -m sweep does not see them: run them as a command of their own there.
+    reference: list[str] = field(default_factory=list)
 
 
 def method_schema(name: str) -> type:
@@ -289,7 +293,10 @@ def check_overrides(overrides: list[str], calibrating: bool = False) -> str | No
             analysis = cfg.get("observations") is not None or cfg.get("timing") is not None
             experiment = cfg.hydra.runtime.choices.get("experiment") or "adhoc"
             # each cell is checked as it is composed, so a bad value fails at the first cell
-            for grid in sweep_cells(cfg.hydra.sweeper.get("params"), overrides):
+            grids = reference_cells(cfg, overrides) + sweep_cells(
+                cfg.hydra.sweeper.get("params"), overrides
+            )
+            for grid in grids:
                 cell = compose(config_name="config", overrides=list(overrides) + grid)
                 validate(cell)
                 if not analysis:  # analyses are not grids of cells: they check their own input
@@ -303,6 +310,13 @@ def check_overrides(overrides: list[str], calibrating: bool = False) -> str | No
 
 def _override_key(text: str) -> str:
     return text.split("=", 1)[0].lstrip("+~")
+
+
+def reference_cells(cfg, overrides: list[str]) -> list[list[str]]:
+    """The config's `reference` cells as override lists, unless the overrides pin the method."""
+    if "method" in {_override_key(o) for o in overrides}:
+        return []
+    return [str(cell).split() for cell in cfg.get("reference") or []]
 
 
 def sweep_cells(params, overrides: list[str]) -> list[list[str]]:
