@@ -40,8 +40,9 @@ import torch
 import yaml
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
-from rbs_bench.budget import KnobSearch, LayerCurves, Unreachable, knob_fields
+from rbs_bench.budget import MAX_STEPS, KnobSearch, LayerCurves, Unreachable, knob_fields
 from rbs_bench.config import (
     CONFIG_MODULE,
     UserError,
@@ -110,15 +111,33 @@ def probe(loaded, prompts, base, knob: float, values, executor: str):
     return np.asarray(dens), np.asarray(sweep.curves)
 
 
-def calibrate_target(loaded, prompts, base, target: float, tol: float, executor: str) -> dict:
-    """Find the knob whose in-run mean density over the prompts is within `tol` of `target`."""
+def calibrate_target(
+    loaded, prompts, base, target: float, tol: float, executor: str, progress: bool = False
+) -> dict:
+    """Find the knob whose in-run mean density over the prompts is within `tol` of `target`.
+
+    With `progress`, a bar counts the steps (at most MAX_STEPS) and shows each step's knob and
+    measured density."""
     search = KnobSearch(base, target, tol)
+    bar = tqdm(
+        total=MAX_STEPS,
+        desc=f"calibrate {base.name} @ {target:.4f}",
+        unit="step",
+        disable=not progress,
+        dynamic_ncols=True,
+        leave=False,
+    )
     try:
         while not search.done:
-            dens, curves = probe(loaded, prompts, base, search.knob, search.values, executor)
+            knob = search.knob
+            dens, curves = probe(loaded, prompts, base, knob, search.values, executor)
             search.update(dens, curves.mean(0))
+            bar.update(1)
+            bar.set_postfix({base.knob: f"{knob:.5g}", "density": f"{dens.mean():.5f}"})
     except Unreachable as e:
         raise UserError(str(e)) from None
+    finally:
+        bar.close()
     warning = search.warning()
     if warning:
         print(f"rbs-bench: warning: {warning}", file=sys.stderr)
@@ -327,7 +346,13 @@ def calibrate_cell(cfg, session) -> dict | None:
     executor = resolve_executor(cfg.executor, loaded.device)
     t0 = time.perf_counter()
     entry = calibrate_target(
-        loaded, prompts, base, cfg.budget.target, cfg.calibration.tolerance, executor
+        loaded,
+        prompts,
+        base,
+        cfg.budget.target,
+        cfg.calibration.tolerance,
+        executor,
+        progress=cfg.progress,
     )
     entry.update(
         {
