@@ -96,10 +96,13 @@ experiment-%: install
 	$(if $(filter $*,$(CALIBRATED)),$(PY) -m rbs_bench.calibrate +experiment=$* results_dir=$(RESULTS) $(EXP_ARGS))
 	$(if $(filter $*,calibration_cost),,$(RUN_EXP))
 
-# This list: every target with its one-line description.
+# This list: every target with the first sentence of the comment block above it.
 help:
-	@awk '/^# / { if (!block) c = substr($$0, 3); block = 1; next } { block = 0 } \
-	  /^[a-z][a-zA-Z0-9_ %-]*:([^=]|$$)/ { split($$0, t, ":"); printf "  %-24s %s\n", t[1], c; c = "" }' \
+	@awk '/^# / { c = block ? c " " substr($$0, 3) : substr($$0, 3); block = 1; next } \
+	  { block = 0 } \
+	  /^[a-z][a-zA-Z0-9_ %-]*:([^=]|$$)/ { split($$0, t, ":"); s = c; \
+	    if (match(s, /\. [A-Z]/)) s = substr(s, 1, RSTART); \
+	    printf "  %-16s %s\n", t[1], s; c = "" }' \
 	  $(firstword $(MAKEFILE_LIST))
 
 .PHONY: paper experiments help

@@ -203,10 +203,21 @@ def method_schema(name: str) -> type:
 
 
 def register_schemas() -> None:
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("rbs_bench_groups", groups_help, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunCfg)
     for name in methods.available():
         cs.store(group="method", name=f"{name}_schema", node=method_schema(name))
+
+
+def groups_help() -> str:
+    """`group: option, ...` for each config group with YAML files under conf/ (--help's list)."""
+    root = resources.files(CONFIG_MODULE)
+    groups = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in ("hydra",))
+    lines = [f"{g}: {', '.join(group_options(g))}" for g in groups if group_options(g)]
+    return "\n".join(lines)
 
 
 def group_options(group: str) -> list[str]:
