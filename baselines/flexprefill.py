@@ -76,7 +76,7 @@ from rbs_bench.kernels.vertical_slash_attn import check_qk, coverage_count, top_
 from torch import Tensor
 
 from rbs_bench.methods.rbs import _check_impl, _use_triton
-from rbs_bench.methods.selection import BlockSelection
+from rbs_bench.methods.selection import BlockSelection, check_inputs
 
 __all__ = [
     "FlexPrefill",
@@ -152,7 +152,7 @@ class FlexPrefill:
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         """q [B, Hq, N, D], k [B, Hkv, N, D] -> kept key blocks per query head."""
-        check_qk(q, k)
+        check_inputs(q, k)
         b, hq, n, d = q.shape
         bs = self.block_size
         if self.runs_dense(n):

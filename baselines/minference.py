@@ -68,7 +68,6 @@ from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.kernels.vertical_slash_attn import (
     attention_supported,
     check_pattern,
-    check_qk,
     estimate_supported,
     top_k_ids,
     top_k_ids_ref,
@@ -83,7 +82,7 @@ from rbs_bench.kernels.vertical_slash_attn import (
 from torch import Tensor
 
 from rbs_bench.methods.rbs import _check_impl, _use_triton
-from rbs_bench.methods.selection import causal_block_mask
+from rbs_bench.methods.selection import causal_block_mask, check_inputs
 
 EXECUTORS = ("reference", "flex", "triton")
 
@@ -225,7 +224,7 @@ class MInference:
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> VerticalSlashPattern:
         """q [B, Hq, N, D], k [B, Hkv, N, D] -> the per-query-head pattern."""
-        check_qk(q, k)
+        check_inputs(q, k)
         b, hq, n, _ = q.shape
         fast = self._fast(q)
         estimate = vertical_slash_estimate if fast else vertical_slash_estimate_ref

@@ -84,7 +84,7 @@ from rbs_bench.kernels.xattn_select import (
 from torch import Tensor
 
 from rbs_bench.methods.rbs import _check_impl, _use_triton
-from rbs_bench.methods.selection import BlockSelection
+from rbs_bench.methods.selection import BlockSelection, check_inputs
 
 __all__ = [
     "STRIDES",
@@ -181,16 +181,7 @@ class XAttention:
         return dataclasses.replace(self, tau=value)
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
-        if q.dim() != 4 or k.dim() != 4:
-            raise ValueError(
-                f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}"
-            )
-        if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
-        if q.shape[1] % k.shape[1]:
-            raise ValueError(
-                f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
-            )
+        check_inputs(q, k)
         bs, n = self.block_size, q.shape[2]
         if self._fast(q.device, n):
             count, index = xattn_select(q, k, bs, self.stride, self.tau, scale)

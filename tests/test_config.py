@@ -107,3 +107,11 @@ def test_run_time_errors_are_one_line(tmp_path):
 
 def test_every_registered_method_has_a_config():
     assert config.group_options("method") == methods.available()
+
+
+def test_help_lists_the_yaml_options_without_schema_nodes():
+    res = _cli("--help")
+    assert res.returncode == 0, res.stderr
+    assert "_schema" not in res.stdout
+    assert f"method: {', '.join(methods.available())}\n" in res.stdout
+    assert "experiment: " in res.stdout and "ruler_budget" in res.stdout

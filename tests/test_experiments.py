@@ -109,6 +109,14 @@ def test_ruler_budget_is_five_methods_by_four_targets():
     assert dense.budget.target is None
 
 
+def test_ruler_budget_runs_its_dense_reference_unless_the_method_is_pinned():
+    cell = _cells("ruler_budget")[0]
+    assert config.reference_cells(cell, ["+experiment=ruler_budget", "budget=d50"]) == [
+        ["method=dense", "budget=default"]
+    ]
+    assert config.reference_cells(cell, ["+experiment=ruler_budget", "method=rbs"]) == []
+
+
 def test_thresholds_pairs_move_together():
     cells = _cells("thresholds", every=True)
     pairs = {c.budget.name: (c.method.alpha_base, c.method.alpha_rescue) for c in cells}

@@ -1,6 +1,7 @@
 """Run records survive a kill mid-write, and the summary is built from them alone."""
 
 import json
+import math
 
 import pytest
 
@@ -60,7 +61,9 @@ def test_summary_tables_and_plot(tmp_path):
     assert overall["score"].tolist() == [100.0, 50.0]
     assert overall["density"].tolist() == [1.0, 0.25]
     md = (exp / "summary.md").read_text()
-    assert "| dense | default | 2 | 100.00 | 1.0000 |" in md
+    assert "| dense | default | 2 | 100.00 | [34.2, 100.0] | 1.0000 |" in md
+    assert "| rbs | default | 2 | 50.00 | [9.5, 90.5] | 0.2500 |" in md
+    assert "Within noise: with n=2 samples per cell the 95% intervals are up to +-41" in md
     assert "rbs/default/records.jsonl" in md  # names the records it used
     assert (exp / "score_vs_density.png").stat().st_size > 1000
 
@@ -72,6 +75,17 @@ def test_summary_splits_by_meta_categories(tmp_path):
         store.append(_rec(i) | {"score": score, "meta": {"difficulty": diff, "domain": "qa"}})
     report.write_summary(exp)
     table = (exp / "summary_by_difficulty.csv").read_text().splitlines()
-    assert table[1:] == ["rbs,default,easy,2,50.0,0.5", "rbs,default,hard,1,0.0,0.5"]
+    assert table[0] == "method,budget,difficulty,n,score,density,ci95_low,ci95_high"
+    assert table[1].startswith("rbs,default,easy,2,50.0,0.5,9.45312")
+    assert table[2].startswith("rbs,default,hard,1,0.0,0.5,0.0,79.345")
     assert not (exp / "summary_by_domain.csv").exists()  # one value: nothing to split
     assert "## By difficulty" in (exp / "summary.md").read_text()
+
+
+def test_wilson_interval_matches_the_textbook():
+    lo, hi = report.wilson(50.0, 10)  # 5 of 10: (0.2366, 0.7634)
+    assert (round(lo, 2), round(hi, 2)) == (23.66, 76.34)
+    lo, hi = report.wilson(100.0, 6)  # all right: the interval still has width
+    assert hi == 100.0 and round(lo, 1) == 61.0
+    assert report.wilson(0.0, 6)[0] == pytest.approx(0.0, abs=1e-9)
+    assert all(map(math.isnan, report.wilson(50.0, 0)))

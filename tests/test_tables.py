@@ -120,21 +120,24 @@ def test_ruler_budget_paper_setting_shows_paper_beside_ours(results):
     assert list(rows) == ["Target", "1%", "5%"]
     # rbs d5: density (5+6)/2 = 5.50, accuracy (100+60)/2 = 80.00, best of the row.
     assert rows["5%"] == [
-        "4.50 / 70.00 (4.69 / 75.36)",
+        "4.50 / 70.00 [26.7, 93.7] (4.69 / 75.36)",
         "– (3.81 / 60.47)",
-        "5.50 / **80.00** (5.34 / 80.28)",
+        "5.50 / **80.00** [33.7, 96.9] (5.34 / 80.28)",
     ]
     # A tie on accuracy: both bold.
-    assert rows["1%"][1] == "2.00 / **30.00** (1.02 / 44.51)"
-    assert rows["1%"][2] == "1.10 / **30.00** (1.80 / 60.36)"
-    assert "Dense (budget default, n=4): density / accuracy = 100.00 / 90.00 (100 / 89.69)." in md
+    assert rows["1%"][1] == "2.00 / **30.00** [6.3, 73.3] (1.02 / 44.51)"
+    assert rows["1%"][2] == "1.10 / **30.00** [6.3, 73.3] (1.80 / 60.36)"
+    assert (
+        "Dense (budget default, n=4): density / accuracy = 100.00 / 90.00 [41.7, 99.1] "
+        "(100 / 89.69)." in md
+    )
     assert "table tab:ruler_budget" in md
     for method, budget in [("dense", "default"), ("rbs", "d5"), ("rbs", "d1"), ("xattn", "d1")]:
         path = results / "runs/ruler_budget/qwen3_30b_a3b_fp8" / method / budget / "records.jsonl"
         assert f"- `{path}` (4 records)" in md
     tex = files["ruler_budget_qwen3_30b_a3b_fp8.tex"]
-    assert "5\\% & 4.50 / 70.00 (4.69 / 75.36) & -- (3.81 / 60.47) & " in tex
-    assert "5.50 / \\textbf{80.00} (5.34 / 80.28) \\\\" in tex
+    assert "5\\% & 4.50 / 70.00 [26.7, 93.7] (4.69 / 75.36) & -- (3.81 / 60.47) & " in tex
+    assert "5.50 / \\textbf{80.00} [33.7, 96.9] (5.34 / 80.28) \\\\" in tex
     assert "\\texttt{" + str(results).replace("_", "\\_") in tex
     assert "records.jsonl} (4)" in tex and "\\label{tab:ours_ruler_budget_qwen3" in tex
 
@@ -142,9 +145,11 @@ def test_ruler_budget_paper_setting_shows_paper_beside_ours(results):
 def test_ruler_budget_other_setting_shows_ours_alone(results):
     md = _build(results)["ruler_budget_tiny.md"]
     rows = _md_rows(md)
-    assert rows["5%"] == ["4.50 / 70.00", "–", "5.50 / **80.00**"]
-    assert "(" not in "".join(rows["1%"])
-    assert "= 100.00 / 90.00." in md
+    assert rows["5%"] == ["4.50 / 70.00 [26.7, 93.7]", "–", "5.50 / **80.00** [33.7, 96.9]"]
+    assert "(" not in "".join(rows["1%"])  # no paper values: another setting
+    assert "= 100.00 / 90.00 [41.7, 99.1]." in md
+    assert "Accuracy in brackets: its 95% Wilson interval" in md
+    assert "Within noise: at n=4 samples the intervals reach +-34 points" in md
     assert "are for another setting (model qwen3_30b_a3b_fp8, context_length 131072)" in md
     assert "this table is model tiny, context_length 4096" in md
     assert str(results / "runs/ruler_budget/tiny/rbs/d5/records.jsonl") in md
@@ -167,9 +172,9 @@ def test_unknown_experiment_gets_the_summary_table(results):
         "my_sweep_tiny.tex",
     ]
     rows = _md_rows(files["my_sweep_tiny.md"])
-    assert rows["rbs"] == ["d5", "4", "5.50", "80.00", "0.500"]
+    assert rows["rbs"] == ["d5", "4", "5.50", "80.00 [33.7, 96.9]", "0.500"]
     assert "my_sweep/tiny/xattn/d1/records.jsonl" in files["my_sweep_tiny.md"]
-    assert "rbs & d1 & 4 & 1.10 & 30.00 & 0.500 \\\\" in files["my_sweep_tiny.tex"]
+    assert "rbs & d1 & 4 & 1.10 & 30.00 [6.3, 73.3] & 0.500 \\\\" in files["my_sweep_tiny.tex"]
 
 
 def test_experiments_without_cell_records_are_skipped(results, capsys):
@@ -235,8 +240,10 @@ def test_strict_density_anchors_are_columns_with_the_paper_beside(tmp_path):
             )
     rows = _md_rows(_tables(tmp_path)[f"strict_density_{m}.md"])
     assert rows["Method"] == ["5.34% anchor"]
-    assert rows["FlashPrefill"] == ["5.300 / 70.00 (5.300 / 74.73)"]
-    assert rows["RBS-Attention"] == ["5.340 / **90.00** (5.340 / 80.28)"]  # best in the column
+    assert rows["FlashPrefill"] == ["5.300 / 70.00 [17.4, 96.3] (5.300 / 74.73)"]
+    assert rows["RBS-Attention"] == [
+        "5.340 / **90.00** [27.9, 99.5] (5.340 / 80.28)"
+    ]  # best in the column
 
 
 def test_ruler_main_puts_density_under_each_method_with_overall(tmp_path):
@@ -259,10 +266,14 @@ def test_ruler_main_puts_density_under_each_method_with_overall(tmp_path):
     assert table[0] == "| Method | 4K | 8K | Overall |"
     # Overall is the mean over lengths; the density row follows the accuracy row.
     assert table[1:3] == [
-        "| Dense | 90.00 (93.30) | 70.00 (91.90) | 80.00 (89.52) |",
+        "| Dense | 90.00 [27.9, 99.5] (93.30) | 70.00 [17.4, 96.3] (91.90) "
+        "| 80.00 [33.7, 96.9] (89.52) |",
         "| density | 100.000 (100) | 50.000 (100) | 75.000 (100) |",
     ]
-    assert table[3] == "| RBS-Attention | **80.00** (91.10) | **60.00** (89.90) | 70.00 (88.65) |"
+    assert table[3] == (
+        "| RBS-Attention | **80.00** [22.3, 98.2] (91.10) | **60.00** [13.2, 93.7] (89.90) "
+        "| 70.00 [26.7, 93.7] (88.65) |"
+    )
     assert table[4] == "| density | 30.000 (73.030) | 15.000 (48.465) | 22.500 (31.109) |"
 
 

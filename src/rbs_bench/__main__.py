@@ -8,20 +8,20 @@ job rebuilds the summary from the records present when it finishes.
 
 from __future__ import annotations
 
-import itertools
 import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from rbs_bench.config import (
     CONFIG_MODULE,
     preflight,
+    reference_cells,
     register_schemas,
     report_user_errors,
+    sweep_cells,
     validate,
 )
 from rbs_bench.models.memory import use_expandable_segments
@@ -29,22 +29,9 @@ from rbs_bench.models.memory import use_expandable_segments
 register_schemas()
 
 
-def _override_key(text: str) -> str:
-    return text.split("=", 1)[0].lstrip("+~")
-
-
 def grid_overrides(hc) -> list[list[str]]:
     """The experiment's sweep, less the keys the command line pins, as lists of overrides."""
-    params = dict(hc.sweeper.get("params") or {})
-    pinned = {_override_key(o) for o in hc.overrides.task}
-    axes = []
-    for key, value in params.items():
-        if key in pinned:
-            continue
-        (ov,) = OverridesParser.create().parse_overrides([f"{key}={value}"])
-        values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
-        axes.append([f"{key}={v}" for v in values])
-    return [list(c) for c in itertools.product(*axes)]
+    return sweep_cells(hc.sweeper.get("params"), list(hc.overrides.task))
 
 
 def run(cfg: DictConfig) -> None:
@@ -61,6 +48,7 @@ def run(cfg: DictConfig) -> None:
         ttft.run_experiment(cfg, HydraConfig.get().runtime.choices.get("experiment") or "adhoc")
         return
     from rbs_bench import report
+    from rbs_bench.checks import check_cell
     from rbs_bench.loggers import make_logger
     from rbs_bench.runner import Session, experiment_dir, run_cell
 
@@ -69,12 +57,14 @@ def run(cfg: DictConfig) -> None:
     if hc.mode == RunMode.MULTIRUN:
         cells = [cfg]  # the launcher already expanded the grid: this job is one cell
     else:
+        grids = reference_cells(cfg, list(hc.overrides.task)) + grid_overrides(hc)
         cells = [
             hydra.compose(config_name="config", overrides=list(hc.overrides.task) + grid)
-            for grid in grid_overrides(hc)
+            for grid in grids
         ]
     for cell in cells:
         validate(cell)  # `+key=value` overrides pass composition; catch misspelt ones here
+        check_cell(cell, experiment)  # every cell, before the first one loads a model
     logger = make_logger(cfg, experiment_dir(cfg, experiment), experiment)
     session = Session()
     for cell in cells:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 import sys
 import tempfile
 import time
@@ -45,8 +46,9 @@ import yaml
 from filelock import FileLock
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
-from rbs_bench.budget import KnobSearch, LayerCurves, Unreachable, knob_fields
+from rbs_bench.budget import MAX_STEPS, KnobSearch, LayerCurves, Unreachable, knob_fields
 from rbs_bench.config import (
     CONFIG_MODULE,
     UserError,
@@ -118,15 +120,33 @@ def probe(loaded, prompts, base, knob: float, values, executor: str):
     return np.asarray(dens), np.asarray(sweep.curves)
 
 
-def calibrate_target(loaded, prompts, base, target: float, tol: float, executor: str) -> dict:
-    """Find the knob whose in-run mean density over the prompts is within `tol` of `target`."""
+def calibrate_target(
+    loaded, prompts, base, target: float, tol: float, executor: str, progress: bool = False
+) -> dict:
+    """Find the knob whose in-run mean density over the prompts is within `tol` of `target`.
+
+    With `progress`, a bar counts the steps (at most MAX_STEPS) and shows each step's knob and
+    measured density."""
     search = KnobSearch(base, target, tol)
+    bar = tqdm(
+        total=MAX_STEPS,
+        desc=f"calibrate {base.name} @ {target:.4f}",
+        unit="step",
+        disable=not progress,
+        dynamic_ncols=True,
+        leave=False,
+    )
     try:
         while not search.done:
-            dens, curves = probe(loaded, prompts, base, search.knob, search.values, executor)
+            knob = search.knob
+            dens, curves = probe(loaded, prompts, base, knob, search.values, executor)
             search.update(dens, curves.mean(0))
+            bar.update(1)
+            bar.set_postfix({base.knob: f"{knob:.5g}", "density": f"{dens.mean():.5f}"})
     except Unreachable as e:
         raise UserError(str(e)) from None
+    finally:
+        bar.close()
     warning = search.warning()
     if warning:
         print(f"rbs-bench: warning: {warning}", file=sys.stderr)
@@ -182,7 +202,26 @@ def _read(path: Path) -> dict | None:
 
 
 def _entries(path: Path) -> list[dict]:
-    return (_read(path) or {}).get("entries") or []
+    """The entries of a calibration file; a file that is not such YAML is a one-line UserError
+    naming the file, the line and the repair."""
+    fix = f"repair it, or delete {path} and rerun python -m rbs_bench.calibrate to remake it"
+    try:
+        data = yaml.safe_load(path.read_text()) if path.exists() else None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{path}{where} is not valid YAML ({problem}); {fix}") from None
+    entries = (data or {}).get("entries", []) if isinstance(data, dict) or data is None else None
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("target"), (int, float)) and "knob" in e
+        for e in entries
+    ):
+        raise UserError(
+            f"{path} is not a calibration file (a mapping whose 'entries' list holds mappings "
+            f"with target and knob); {fix}"
+        )
+    return entries
 
 
 def find_entry(cfg, base=None) -> dict | None:
@@ -227,20 +266,36 @@ def load_knob(cfg) -> float:
         raise UserError(
             f"{path}: the calibration of {cfg.method.name} at density {cfg.budget.target} "
             f"({_describe(setting(cfg, base))}) {problem}; recalibrate it with: "
-            f"{_calibrate_command(cfg)}"
+            f"{calibrate_command(cfg)}"
         )
     raise UserError(
         f"no calibration of {cfg.method.name} at density {cfg.budget.target} for model "
         f"{cfg.model.name} ({_describe(setting(cfg, base))}) in {path}; create it with: "
-        f"{_calibrate_command(cfg)}"
+        f"{calibrate_command(cfg)}"
     )
 
 
-def _calibrate_command(cfg) -> str:
-    return (
-        f"python -m rbs_bench.calibrate model={cfg.model.name} method={cfg.method.name} "
-        f"{_budget_args(cfg)} and the run's other arguments (e.g. its +experiment=...)"
-    )
+def calibrate_command(cfg) -> str:
+    """The command that calibrates this cell, ready to paste: the run's own command-line
+    overrides (experiment, results_dir, model, lengths, fields), with the cell's method and
+    budget in place of any method or budget choice (a sweep among them)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from rbs_bench import config
+
+    if HydraConfig.initialized():
+        given = list(HydraConfig.get().overrides.task)
+    else:
+        given = list(config.COMMAND_OVERRIDES or [])
+    from rbs_bench.config import group_options
+
+    key = lambda o: o.split("=", 1)[0].lstrip("+~")
+    cell = {"method", "budget", "budget.name", "budget.target", "budget.knob"}
+    keep = [o for o in given if key(o) not in cell]
+    if "model" not in map(key, keep) and cfg.model.name in group_options("model"):
+        keep.append(f"model={cfg.model.name}")  # the same model, whatever chose it
+    args = keep + [f"method={cfg.method.name}", *_budget_args(cfg).split()]
+    return " ".join(["python -m rbs_bench.calibrate", *map(shlex.quote, args)])
 
 
 def entry_problem(entry: dict, tolerance: float) -> str | None:
@@ -345,7 +400,13 @@ def calibrate_cell(cfg, session) -> dict | None:
     executor = resolve_executor(cfg.executor, loaded.device)
     t0 = time.perf_counter()
     entry = calibrate_target(
-        loaded, prompts, base, cfg.budget.target, cfg.calibration.tolerance, executor
+        loaded,
+        prompts,
+        base,
+        cfg.budget.target,
+        cfg.calibration.tolerance,
+        executor,
+        progress=cfg.progress,
     )
     entry.update(
         {
@@ -371,6 +432,7 @@ def calibrate_cell(cfg, session) -> dict | None:
 
 def run(cfg: DictConfig) -> None:
     from rbs_bench.__main__ import grid_overrides
+    from rbs_bench.checks import check_cell
     from rbs_bench.runner import Session
 
     hc = HydraConfig.get()
@@ -378,10 +440,13 @@ def run(cfg: DictConfig) -> None:
         hydra.compose(config_name="config", overrides=list(hc.overrides.task) + grid)
         for grid in grid_overrides(hc)
     ]
+    experiment = hc.runtime.choices.get("experiment") or "adhoc"
+    for cell in cells:  # every cell, before the first one loads a model
+        validate(cell)
+        check_cell(cell, experiment, calibrating=True)
     session = Session()
     done = 0
     for i, cell in enumerate(cells):
-        validate(cell)
         if out_of_time(cell):
             print(
                 f"time_budget_s={cell.time_budget_s:g} reached with {len(cells) - i} cells left; "
@@ -403,7 +468,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     use_expandable_segments()
-    preflight(sys.argv[1:])
+    preflight(sys.argv[1:], calibrating=True)
     _hydra_main()
 
 

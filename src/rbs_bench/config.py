@@ -187,6 +187,10 @@ class RunCfg:
     time_budget_s: float | None = None
     observations: ObservationsCfg | None = None  # set by +experiment=observations
     timing: TimingCfg | None = None  # set by +experiment=speed|memory|throughput|selector_time
+    # Cells run besides the sweep, each a space-separated list of overrides (ruler_budget: the
+    # dense reference, "method=dense budget=default"); left out when the command line pins the
+    # method. Hydra's own -m sweep does not see them: run them as a command of their own there.
+    reference: list[str] = field(default_factory=list)
 
 
 def method_schema(name: str) -> type:
@@ -199,10 +203,21 @@ def method_schema(name: str) -> type:
 
 
 def register_schemas() -> None:
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("rbs_bench_groups", groups_help, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunCfg)
     for name in methods.available():
         cs.store(group="method", name=f"{name}_schema", node=method_schema(name))
+
+
+def groups_help() -> str:
+    """`group: option, ...` for each config group with YAML files under conf/ (--help's list)."""
+    root = resources.files(CONFIG_MODULE)
+    groups = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in ("hydra",))
+    lines = [f"{g}: {', '.join(group_options(g))}" for g in groups if group_options(g)]
+    return "\n".join(lines)
 
 
 def group_options(group: str) -> list[str]:
@@ -253,10 +268,16 @@ def validate(cfg) -> None:
             raise UserError(_unknown_field(f"{path}.{extra[0]}" if path else extra[0], valid))
 
 
-def preflight(argv: list[str]) -> None:
-    """Exit with one line if plain command-line overrides do not compose (before Hydra runs)."""
+COMMAND_OVERRIDES: list[str] | None = None  # the command line's overrides, set by `preflight`
+
+
+def preflight(argv: list[str], calibrating: bool = False) -> None:
+    """Exit with one line if plain command-line overrides do not compose, or if any cell of the
+    experiment's grid cannot run (rbs_bench.checks), before Hydra runs and before a model loads."""
+    global COMMAND_OVERRIDES
     if not any(a.startswith("-") for a in argv):
-        problem = check_overrides(argv)
+        COMMAND_OVERRIDES = list(argv)
+        problem = check_overrides(argv, calibrating=calibrating)
         if problem:
             print(f"rbs-bench: error: {problem}", file=sys.stderr)
             sys.exit(2)
@@ -271,13 +292,57 @@ def report_user_errors(fn, cfg) -> None:
         sys.exit(2)
 
 
-def check_overrides(overrides: list[str]) -> str | None:
-    """Compose the config for these overrides; None if fine, else the one-line error."""
+def check_overrides(overrides: list[str], calibrating: bool = False) -> str | None:
+    """Compose the config for these overrides and check every cell of its grid; None if fine,
+    else the one-line error."""
     from hydra import compose, initialize_config_module
 
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            validate(compose(config_name="config", overrides=overrides))
+            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+            validate(cfg)
+            analysis = cfg.get("observations") is not None or cfg.get("timing") is not None
+            experiment = cfg.hydra.runtime.choices.get("experiment") or "adhoc"
+            # each cell is checked as it is composed, so a bad value fails at the first cell
+            grids = reference_cells(cfg, overrides) + sweep_cells(
+                cfg.hydra.sweeper.get("params"), overrides
+            )
+            for grid in grids:
+                cell = compose(config_name="config", overrides=list(overrides) + grid)
+                validate(cell)
+                if not analysis:  # analyses are not grids of cells: they check their own input
+                    from rbs_bench.checks import check_cell
+
+                    check_cell(cell, experiment, calibrating=calibrating)
     except Exception as exc:  # any composition failure is the user's input
         return str(exc) if isinstance(exc, UserError) else explain(exc)
     return None
+
+
+def _override_key(text: str) -> str:
+    return text.split("=", 1)[0].lstrip("+~")
+
+
+def reference_cells(cfg, overrides: list[str]) -> list[list[str]]:
+    """The config's `reference` cells as override lists, unless the overrides pin the method."""
+    if "method" in {_override_key(o) for o in overrides}:
+        return []
+    return [str(cell).split() for cell in cfg.get("reference") or []]
+
+
+def sweep_cells(params, overrides: list[str]) -> list[list[str]]:
+    """An experiment's sweep (`hydra.sweeper.params`), less the keys the command line pins, as
+    one list of overrides per cell."""
+    import itertools
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    pinned = {_override_key(o) for o in overrides}
+    axes = []
+    for key, value in dict(params or {}).items():
+        if key in pinned:
+            continue
+        (ov,) = OverridesParser.create().parse_overrides([f"{key}={value}"])
+        values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
+        axes.append([f"{key}={v}" for v in values])
+    return [list(c) for c in itertools.product(*axes)]

@@ -7,6 +7,7 @@ SLURM array task, can rebuild them:  python -m rbs_bench.report results/runs/<ex
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from pathlib import Path
@@ -16,6 +17,46 @@ import pandas as pd
 from rbs_bench.records import read_records, write_atomic
 
 CELL = ["method", "budget"]
+Z95 = 1.959963984540054  # the standard normal's 97.5th percentile
+NOISE_HALF_WIDTH = 15.0  # points: an interval wider than +-this cannot separate nearby cells
+
+
+def wilson(score: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """The 95% Wilson score interval, in points, of a mean score on 0-100 over n samples.
+
+    The mean is taken as a proportion p = score / 100 of n trials. For 0/100 scores (RULER,
+    multiple choice) this is the Wilson interval of the accuracy. For fractional per-sample scores
+    (F1, ROUGE) it is conservative: a score in [0, 1] with mean p has variance at most p (1 - p),
+    the binomial variance the interval assumes. Unlike the normal interval it stays inside
+    [0, 100] and does not collapse to a point at 0 or 100 (n = 6 at 100 gives [61.0, 100.0]).
+    """
+    if not n or n <= 0 or score is None or math.isnan(score):
+        return math.nan, math.nan
+    p = min(max(score / 100.0, 0.0), 1.0)
+    zz = z * z / n
+    centre = (p + zz / 2) / (1 + zz)
+    half = z * math.sqrt(p * (1 - p) / n + zz / (4 * n)) / (1 + zz)
+    return 100 * max(centre - half, 0.0), 100 * min(centre + half, 1.0)
+
+
+def with_interval(table: pd.DataFrame) -> pd.DataFrame:
+    """`table` with ci95_low / ci95_high: the Wilson interval of its score over its n."""
+    bounds = [wilson(s, int(n)) for s, n in zip(table["score"], table["n"])]
+    return table.assign(ci95_low=[lo for lo, _ in bounds], ci95_high=[hi for _, hi in bounds])
+
+
+def noise_note(table: pd.DataFrame) -> str:
+    """A footnote when some interval is wider than +-NOISE_HALF_WIDTH points, else ""."""
+    half = (table["ci95_high"] - table["ci95_low"]) / 2
+    if not (half > NOISE_HALF_WIDTH).any():
+        return ""
+    ns = sorted(set(int(n) for n in table.loc[half > NOISE_HALF_WIDTH, "n"]))
+    return (
+        f"Within noise: with n={', '.join(map(str, ns))} samples per cell the 95% intervals are "
+        f"up to +-{half.max():.0f} points wide (more than {NOISE_HALF_WIDTH:.0f}), so score "
+        "differences between cells whose intervals overlap are not evidence of a difference; "
+        "raise benchmark.num_samples to separate them.\n"
+    )
 
 
 def load_records(exp_dir: Path) -> pd.DataFrame:
@@ -58,7 +99,7 @@ def summarize(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     overall = overall.sort_values(
         by=CELL, key=lambda c: c.map(lambda v: (order.get(v, 1), v)) if c.name == "method" else c
     )
-    return by_task, overall
+    return with_interval(by_task), with_interval(overall)
 
 
 def by_category(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
@@ -75,11 +116,21 @@ def by_category(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
                 sub.groupby(CELL + [key], sort=False)
                 .agg(n=("score", "size"), score=("score", "mean"), density=("density", "mean"))
                 .reset_index()
+                .pipe(with_interval)
             )
     return tables
 
 
 def markdown_table(df: pd.DataFrame, floats: dict[str, str]) -> str:
+    """A Markdown table; ci95_low / ci95_high, when present, read as one "95% CI" column."""
+    if "ci95_low" in df:
+        ci = [
+            f"[{lo:.1f}, {hi:.1f}]" if not math.isnan(lo) else "-"
+            for lo, hi in zip(df["ci95_low"], df["ci95_high"])
+        ]
+        at = list(df.columns).index("score") + 1 if "score" in df else len(df.columns)
+        df = df.drop(columns=["ci95_low", "ci95_high"])
+        df.insert(min(at, len(df.columns)), "95% CI", ci)
     cols = list(df.columns)
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for _, row in df.iterrows():
@@ -147,9 +198,12 @@ def write_summary(exp_dir: Path) -> pd.DataFrame | None:
         categories += f"\n## By {key}\n\n{markdown_table(table, fmt)}"
     md = (
         f"# {exp_dir.parent.name} on {exp_dir.name}\n\n"
-        "Score: benchmark metric (0-100), mean over task x context-length groups. Density: kept "
-        "causal block pairs / all causal block pairs, mean over layers, heads and samples.\n\n"
-        f"{markdown_table(overall, fmt)}\n## By task and context length\n\n"
+        "Score: benchmark metric (0-100), mean over task x context-length groups. 95% CI: the "
+        "Wilson score interval of the score as a proportion of n samples (report.wilson; "
+        "conservative for fractional scores). Density: kept causal block pairs / all causal "
+        "block pairs, mean over layers, heads and samples.\n\n"
+        f"{markdown_table(overall, fmt)}\n{noise_note(overall)}"
+        "\n## By task and context length\n\n"
         f"{markdown_table(by_task, fmt)}{categories}\nRun records:\n\n{sources}"
     )
     write_atomic(exp_dir / "summary.md", md)

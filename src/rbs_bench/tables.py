@@ -45,7 +45,7 @@ import pandas as pd
 
 from rbs_bench.config import UserError
 from rbs_bench.records import write_atomic
-from rbs_bench.report import CELL, load_records, summarize
+from rbs_bench.report import CELL, NOISE_HALF_WIDTH, load_records, summarize, wilson
 
 PAPER_COLUMNS = ["table", "caption_short", "row", "column", "value", "unit", "tex_line", "bold"]
 
@@ -392,6 +392,7 @@ class Cell:
     bold: tuple[bool, ...] = ()
     paper: tuple[str, ...] | None = None  # the paper's numbers as printed
     template: str | None = None  # how the parts read, e.g. "[{}, {}]"; default "a / b"
+    interval: str | None = None  # the accuracy's 95% interval, e.g. "[30.0, 90.3]"
 
     def _join(self, parts: Iterable[str]) -> str:
         parts = list(parts)
@@ -402,6 +403,7 @@ class Cell:
     def render(self, bold: Callable[[str], str], esc: Callable[[str], str]) -> str:
         b = self.bold or (False,) * len(self.ours)
         text = self._join(bold(esc(v)) if f else esc(v) for v, f in zip(self.ours, b))
+        text += f" {esc(self.interval)}" if self.interval else ""
         return text + (f" ({self._join(esc(p) for p in self.paper)})" if self.paper else "")
 
 
@@ -563,9 +565,32 @@ class Metric:
     column: str  # record column after cell_means: "score" or "density"
     scale: float = 1.0
     fmt: str = ".2f"
+    interval: bool = False  # a score: the cell also shows its 95% Wilson interval
 
     def format(self, value: float) -> str:
         return MISSING if pd.isna(value) else format(self.scale * value, self.fmt)
+
+
+def interval_text(score: float, n) -> tuple[str | None, float]:
+    """("[lo, hi]", half-width) of a score's 95% Wilson interval (report.wilson); (None, 0)
+    where there is no score."""
+    if pd.isna(score) or not n:
+        return None, 0.0
+    lo, hi = wilson(float(score), int(n))
+    return f"[{lo:.1f}, {hi:.1f}]", (hi - lo) / 2
+
+
+def noise_footnote(widest: float, ns: Iterable[int]) -> list[str]:
+    """The table's note when an accuracy interval is wider than +-NOISE_HALF_WIDTH points."""
+    if widest <= NOISE_HALF_WIDTH:
+        return []
+    n_text = ", ".join(str(n) for n in sorted(set(ns)))
+    return [
+        f"Accuracy in brackets: its 95% Wilson interval (report.wilson). Within noise: at "
+        f"n={n_text} samples the intervals reach +-{widest:.0f} points (more than "
+        f"{NOISE_HALF_WIDTH:.0f}), so accuracy differences between cells whose intervals overlap "
+        "are not evidence of a difference."
+    ]
 
 
 @dataclass(frozen=True)
@@ -632,13 +657,18 @@ class GridSpec:
         means = cell_means(grid, [self.rows.field, self.cols.field])
         row_keys = sorted(means[self.rows.field].unique(), key=self.rows.order)
         col_keys = sorted(means[self.cols.field].unique(), key=self.cols.order)
-        cols = {mt.column for mt in self.metrics}
+        cols = {mt.column for mt in self.metrics} | {"n"}
         at = {
             (r[self.rows.field], r[self.cols.field]): {c: r[c] for c in cols}
             for _, r in means.iterrows()
         }
         mean_of = lambda cells: {
-            c: pd.Series([x[c] for x in cells], dtype=float).mean() for c in cols
+            c: (
+                pd.Series([x[c] for x in cells], dtype=float).sum()
+                if c == "n"
+                else pd.Series([x[c] for x in cells], dtype=float).mean()
+            )
+            for c in cols
         }
         if self.total_col:
             for rk in row_keys:
@@ -663,6 +693,7 @@ class GridSpec:
         row_keys, col_keys, at = self._values(grid)
         paper = self.paper if self._paper_applies(df) else None
         rows = []
+        widest, ns = 0.0, []  # the widest accuracy interval, and the n of those cells
         for rk in row_keys:
             label = self._label(self.rows, rk)
             groups = [self.metrics] if not self.metric_rows else [(mt,) for mt in self.metrics]
@@ -671,14 +702,20 @@ class GridSpec:
                 for ck in col_keys:
                     m = at.get((rk, ck))
                     ours = (MISSING,)  # a cell we have not run
+                    interval = None
                     if m is not None:
                         ours = tuple(mt.format(m[mt.column]) for mt in metrics)
+                        for mt in metrics:
+                            if mt.interval:
+                                interval, half = interval_text(m[mt.column], m["n"])
+                                if half > NOISE_HALF_WIDTH:
+                                    widest, ns = max(widest, half), ns + [int(m["n"])]
                     theirs = None
                     if paper is not None:
                         names = [(paper.row(label), paper.column(ck, mt.name)) for mt in metrics]
                         got = [pv.get(paper.table, r, c) for r, c in names]
                         theirs = tuple(v or MISSING for v in got) if any(got) else None
-                    cells.append(Cell(ours, paper=theirs))
+                    cells.append(Cell(ours, paper=theirs, interval=interval))
                 rows.append((rk, col_keys, metrics, cells))
         if self.bold:
             self._mark_best(rows)
@@ -692,6 +729,7 @@ class GridSpec:
         )
         t.lead = self._reference_lines(ref, paper, pv)
         t.notes = list(self.notes) + self._setting_notes(df, grid, paper, pv)
+        t.notes += noise_footnote(widest, ns)
         return t
 
     def _mark_best(self, rows: list[tuple]) -> None:
@@ -718,6 +756,9 @@ class GridSpec:
         for budget, sub in ref.groupby("budget", sort=True):
             m = cell_means(sub, ["method"]).iloc[0]
             cell = Cell(tuple(mt.format(m[mt.column]) for mt in self.metrics))
+            score = [mt for mt in self.metrics if mt.interval]
+            if score:
+                cell.interval = interval_text(m[score[0].column], m["n"])[0]
             if paper is not None and paper.reference is not None:
                 got = [pv.get(paper.table, *paper.reference(mt.name)) for mt in self.metrics]
                 cell.paper = tuple(v or MISSING for v in got) if any(got) else None
@@ -861,15 +902,17 @@ class SummarySpec:
         _, overall = summarize(df)
         fmt = {"n": "d", "density": ".2f", "score": ".2f", "ttft_s": ".3f"}
         rows = []
+        widest, ns = 0.0, []
         for _, r in overall.iterrows():
             vals = {c: r[c] * (100 if c == "density" else 1) for c in fmt}
-            rows.append(
-                [Cell((str(r[c]),)) for c in CELL]
-                + [
-                    Cell((format(vals[c], f) if not pd.isna(vals[c]) else MISSING,))
-                    for c, f in fmt.items()
-                ]
-            )
+            cells = {
+                c: Cell((format(vals[c], f) if not pd.isna(vals[c]) else MISSING,))
+                for c, f in fmt.items()
+            }
+            cells["score"].interval, half = interval_text(r["score"], r["n"])
+            if half > NOISE_HALF_WIDTH:
+                widest, ns = max(widest, half), ns + [int(r["n"])]
+            rows.append([Cell((str(r[c]),)) for c in CELL] + list(cells.values()))
         return [
             Table(
                 title=f"{experiment}: {model}",
@@ -881,7 +924,8 @@ class SummarySpec:
                     "Density: kept causal block pairs / all causal block pairs (percent), mean "
                     "over layers, heads and samples. No paper layout is defined for this "
                     "experiment (rbs_bench.tables.SPECS)."
-                ],
+                ]
+                + noise_footnote(widest, ns),
                 sources=_sources(df),
             )
         ]
@@ -979,7 +1023,7 @@ RULER_BUDGET = GridSpec(
     title="RULER budget sweep (measured density / accuracy, %)",
     rows=Axis("target", title="Target", order=_target_order),
     cols=Axis("method", label=lambda m: DISPLAY.get(m, m), order=method_order),
-    metrics=(Metric("density", "density", 100.0), Metric("accuracy", "score")),
+    metrics=(Metric("density", "density", 100.0), Metric("accuracy", "score", interval=True)),
     split=("context_length",),
     bold="accuracy",
     paper=PaperLink(
@@ -1001,7 +1045,10 @@ STRICT_DENSITY = GridSpec(
     title="Strict density matching on RULER (measured density / accuracy, %)",
     rows=Axis("method", title="Method", label=lambda m: DISPLAY.get(m, m), order=method_order),
     cols=Axis("target", label=lambda t: f"{t} anchor", order=_target_order),
-    metrics=(Metric("density", "density", 100.0, ".3f"), Metric("accuracy", "score")),
+    metrics=(
+        Metric("density", "density", 100.0, ".3f"),
+        Metric("accuracy", "score", interval=True),
+    ),
     split=("context_length",),
     reference=None,
     bold="accuracy",
@@ -1025,7 +1072,10 @@ RULER_MAIN = GridSpec(
     title="RULER by context length at the default operating points (%)",
     rows=Axis("method", title="Method", label=lambda m: DISPLAY.get(m, m), order=method_order),
     cols=Axis("context_length", label=context_label, order=int),
-    metrics=(Metric("accuracy", "score"), Metric("density", "density", 100.0, ".3f")),
+    metrics=(
+        Metric("accuracy", "score", interval=True),
+        Metric("density", "density", 100.0, ".3f"),
+    ),
     split=("budget",),
     reference=None,
     bold="accuracy",

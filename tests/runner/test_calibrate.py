@@ -35,7 +35,7 @@ def _cfg(tmp_path, *extra):
 def test_calibrated_knob_reproduces_its_density_in_a_run(tmp_path, monkeypatch):
     monkeypatch.setenv("RBS_BENCH_CACHE", str(tmp_path / "cache"))
     cfg = _cfg(tmp_path)
-    with pytest.raises(UserError, match=r"python -m rbs_bench.calibrate model=tiny method=rbs"):
+    with pytest.raises(UserError, match=r"python -m rbs_bench.calibrate .*method=rbs"):
         build_selector(cfg)  # nothing calibrated yet: the message names the command
     session = Session()
     entry = calibrate.calibrate_cell(cfg, session)
@@ -276,3 +276,23 @@ def test_a_target_inside_a_density_step_records_the_densities_either_side(
     assert "steps over the target between" in err and f"{below['density_mean']:.5f}" in err
     stored = yaml.safe_load((tmp_path / "calibration/tiny/rbs.yaml").read_text())
     assert stored["entries"][0]["neighbours"] == entry["neighbours"]
+
+
+def test_calibration_shows_step_knob_and_density(monkeypatch, capsys):
+    import numpy as np
+
+    from rbs_bench import methods
+
+    curve = lambda r: 0.2 + 0.6 * np.asarray(r, dtype=float)  # quest: density grows with ratio
+
+    def fake_probe(loaded, prompts, base, knob, values, executor):
+        return np.array([float(curve(knob))]), np.array([curve(values)])
+
+    monkeypatch.setattr(calibrate, "probe", fake_probe)
+    base = methods.build("quest")
+    entry = calibrate.calibrate_target(None, [None], base, 0.5, 1e-4, "reference", progress=True)
+    assert abs(entry["density_mean"] - 0.5) <= 1e-4
+    err = capsys.readouterr().err
+    assert "calibrate quest @ 0.5000" in err
+    assert f"{entry['steps']}/{budget.MAX_STEPS}" in err
+    assert "ratio=" in err and "density=" in err

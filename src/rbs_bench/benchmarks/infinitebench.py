@@ -254,6 +254,15 @@ def load_rows(task: str, data: dict | None) -> list[dict]:
     return _hub_rows(task, src, (data or {}).get("revision"))
 
 
+def check_data(task: str, data: dict | None) -> None:
+    """Fail before any model loads if the task's local file cannot be read or holds a malformed
+    row (the error names the file and the line); a hub id is checked when it is loaded."""
+    _spec(task)
+    src = source(data, f"the hub id {HUB_ID} or a local directory of <task>.jsonl files")
+    if is_local(src):
+        load_rows(task, data)
+
+
 @lru_cache(maxsize=1)
 def _local_rows(task: str, path: str, stamp: int) -> list[dict]:
     rows = []

@@ -155,6 +155,15 @@ def load_rows(data: dict | None) -> list[dict]:
     return _hub_rows(src, revision)
 
 
+def check_data(task: str, data: dict | None) -> None:
+    """Fail before any model loads if a local copy cannot be read or holds a malformed row (the
+    error names the file and the row); a hub id is checked when it is loaded."""
+    _spec(task)
+    src = source(data, f"the hub id {HUB_ID} or a local data.json/.jsonl copy")
+    if is_local(src):
+        load_rows(data)
+
+
 @lru_cache(maxsize=1)
 def _local_rows(path: str, stamp: int) -> list[dict]:
     src = f"benchmark.data.dataset={path}"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from rbs_bench.methods.selection import BlockSelection
+from rbs_bench.methods.selection import BlockSelection, check_inputs
 
 
 @dataclass(frozen=True)
@@ -25,5 +25,6 @@ class Dense:
         return dataclasses.asdict(self)
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
+        check_inputs(q, k)
         b, h, n, _ = q.shape
         return BlockSelection.full(b, h, n, self.block_size, q.device)

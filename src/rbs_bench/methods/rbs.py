@@ -38,6 +38,7 @@ from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 from rbs_bench.methods.selection import (
     BlockSelection,
     candidate_mask,
+    check_inputs,
     forced_mask,
     num_blocks,
     relative_threshold,
@@ -79,16 +80,7 @@ class BlockSelector:
         return dataclasses.replace(self, **{self.knob: value})
 
     def _check(self, q: Tensor, k: Tensor) -> None:
-        if q.dim() != 4 or k.dim() != 4:
-            raise ValueError(
-                f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}"
-            )
-        if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
-        if q.shape[1] % k.shape[1]:
-            raise ValueError(
-                f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
-            )
+        check_inputs(q, k)
 
     def _finish(self, keep: Tensor, n: int) -> BlockSelection:
         """keep bool [B, Hq, M, M] from the branches; add forced blocks and compact."""

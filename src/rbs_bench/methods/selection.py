@@ -7,6 +7,8 @@ executed by the PyTorch reference, FlexAttention, or a Triton kernel.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -27,10 +29,64 @@ __all__ = [
     "Selector",
     "candidate_mask",
     "causal_block_mask",
+    "check_inputs",
     "forced_mask",
     "num_blocks",
     "relative_threshold",
 ]
+
+
+_FINITE_CHECKED = contextvars.ContextVar("rbs_bench_finite_checked", default=False)
+
+
+@contextlib.contextmanager
+def finite_checked():
+    """Inside this block `check_inputs` skips its finiteness test: the caller has already
+    checked q and k (the attention hook does, without a host sync: models/hf_attention.py)."""
+    token = _FINITE_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _FINITE_CHECKED.reset(token)
+
+
+def check_inputs(q: Tensor, k: Tensor) -> None:
+    """The checks every `select` runs first: q [B, Hq, N, D] and k [B, Hkv, N, D], Hq a multiple
+    of Hkv, floating point, no empty dimension (N = 0 has no blocks), and finite values.
+
+    A NaN or Inf would not fail later: it silently changes which blocks a threshold keeps. The
+    finiteness test is one fp32-accumulated sum over q and one over k (NaN and Inf survive a sum;
+    no bool copy of the inputs is made; an exact `isfinite` pass only when that sum is not
+    finite) and one host sync; inside `finite_checked()` it is skipped.
+    Raises ValueError.
+    """
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
+    if q.shape[1] % max(k.shape[1], 1):
+        raise ValueError(
+            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
+        )
+    if not (q.dtype.is_floating_point and k.dtype.is_floating_point):
+        raise ValueError(
+            f"q and k must be floating point (float16, bfloat16, float32), got {q.dtype}, "
+            f"{k.dtype}; convert them first (an integer tensor is not a query)"
+        )
+    if q.numel() == 0 or k.numel() == 0:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} are empty (N = 0 tokens, or no batch, "
+            "heads or head dim): there is nothing to select"
+        )
+    if not _FINITE_CHECKED.get():
+        total = q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32)
+        if not bool(torch.isfinite(total)):  # exact test only now (a sum of huge values overflows)
+            for name, t in (("q", q), ("k", k)):
+                if not bool(torch.isfinite(t).all()):
+                    raise ValueError(
+                        f"{name} holds NaN or Inf values; the selection of non-finite scores "
+                        "would be meaningless (check the model's dtype and activations)"
+                    )
 
 
 def num_blocks(n: int, block: int) -> int:

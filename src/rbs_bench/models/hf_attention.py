@@ -25,6 +25,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from rbs_bench.methods.selection import finite_checked
+
 ATTN_IMPL = "rbs_sparse"
 _STATE = "_rbs_state"  # attribute on each attention module
 _PREV_IMPL = "_rbs_prev_attn_impl"  # attribute on the model, restored by uninstall()
@@ -253,7 +255,8 @@ def _sparse(
     # must make its own device current
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         t0 = rec.clock(q)
-        sel = state.selector.select(q, k, scale=scale)
+        with finite_checked():  # the hook checked q and k already (`_check_finite`)
+            sel = state.selector.select(q, k, scale=scale)
         t1 = rec.clock(q)
         out = state.execute(q, k, v, sel, state.executor, scale=scale, out=out)
         t2 = rec.clock(q)

@@ -1,0 +1,118 @@
+"""Everything about a run's input that can be checked before a model loads.
+
+`check_cell` is called for every cell of a grid before the first cell starts (by `preflight` in
+config.py, and again by `rbs_bench.__main__.run` and `rbs_bench.calibrate.run` for the cells a
+launcher hands them), so that a bad value stops the command with one line, exit status 2, and
+nothing written: no cell directory, no `cell.json`, no records, no calibration entry.
+
+What it checks, in order: the budget's target is a density in (0, 1]; `benchmark.num_samples` is
+at least 1 (0 means "every row" only for benchmarks that read rows from a data set); the method's
+block size is a power of two in [16, 1024]; the method's fields and knob; the benchmark's tasks,
+data (a malformed local data row names its file and row) and context lengths (at least one block,
+at most `model.max_context`); that the results directory can be written; and the calibration the
+budget reads (present and well-formed).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from rbs_bench.config import UserError
+
+BLOCK_SIZES = (16, 1024)  # smallest and largest block size a run accepts (powers of two)
+
+
+def check_cell(cfg: DictConfig, experiment: str, calibrating: bool = False) -> None:
+    """Raise UserError (one line) if this cell cannot run; write nothing either way.
+
+    `calibrating`: the cell is checked for `rbs_bench.calibrate`, which writes a calibration
+    rather than reading one."""
+    from rbs_bench import benchmarks
+    from rbs_bench.runner import _check_benchmark, build_selector, cell_dir
+
+    _check_budget(cfg)
+    try:
+        bench = benchmarks.get(cfg.benchmark.name)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    _check_num_samples(cfg, bench)
+    _check_block_size(cfg)
+    selector = build_selector(cfg, apply_budget=False)  # fields and knob values of the method
+    _check_benchmark(cfg)  # tasks, data sources and rows, lengths against model.max_context
+    _check_lengths(cfg, selector.block_size)
+    if calibrating:
+        from rbs_bench.calibrate import _entries, calibration_path
+
+        if cfg.budget.target is not None and selector.knob is not None:
+            check_writable(calibration_path(cfg), "calibration.dir")
+            _entries(calibration_path(cfg))  # a malformed file fails now, not after the search
+    else:
+        check_writable(cell_dir(cfg, experiment) / "records.jsonl", "results_dir")
+        build_selector(cfg)  # reads the calibrated knob: a missing or malformed file fails now
+
+
+def _check_budget(cfg: DictConfig) -> None:
+    target = cfg.budget.target
+    if target is not None and not (math.isfinite(target) and 0 < target <= 1):
+        raise UserError(
+            f"budget.target={target:g} is not a density in (0, 1] (the kept fraction of block "
+            "pairs); e.g. budget=d50 or budget.target=0.5"
+        )
+    knob = cfg.budget.knob
+    if knob is not None and not math.isfinite(knob):
+        raise UserError(f"budget.knob={knob} must be a finite number")
+
+
+def _check_num_samples(cfg: DictConfig, bench) -> None:
+    n = cfg.benchmark.num_samples
+    reads_rows = hasattr(bench, "load_rows")  # data-set benchmarks: 0 means every row
+    if n < 0 or (n == 0 and not reads_rows):
+        least = "0 (every row)" if reads_rows else "1"
+        raise UserError(
+            f"benchmark.num_samples={n}: {cfg.benchmark.name} needs at least {least}; "
+            f"e.g. benchmark.num_samples=5"
+        )
+
+
+def _check_block_size(cfg: DictConfig) -> None:
+    size = OmegaConf.select(cfg, "method.block_size")
+    if size is None:
+        return
+    lo, hi = BLOCK_SIZES
+    if not (isinstance(size, int) and lo <= size <= hi and size & (size - 1) == 0):
+        raise UserError(
+            f"method.block_size={size} must be a power of two in [{lo}, {hi}] "
+            f"(e.g. 64, 128, 256); other sizes fall off the kernels' fast paths"
+        )
+
+
+def _check_lengths(cfg: DictConfig, block_size: int) -> None:
+    for n in cfg.benchmark.context_lengths:
+        if n < block_size:
+            raise UserError(
+                f"context length {n} is shorter than one block ({block_size} tokens, "
+                f"method {cfg.method.name}); raise benchmark.context_lengths"
+            )
+
+
+def check_writable(path: Path, key: str) -> None:
+    """UserError unless `path` (a file, maybe not there yet) could be created or appended to.
+
+    Nothing is created: the nearest existing ancestor must be a writable directory."""
+    path = Path(path)
+    if path.exists():
+        if path.is_dir() or not os.access(path, os.W_OK):
+            raise UserError(f"{path} is not writable; fix its permissions or set {key}=...")
+        return
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        what = "not a directory" if not parent.is_dir() else "not writable"
+        raise UserError(
+            f"cannot write {path}: {parent} is {what}; set {key}= to a writable directory"
+        )
