@@ -53,7 +53,7 @@ CASES = {
     "context below one block": (
         "run",
         [GRID, "benchmark.context_lengths=[100]"],
-        "context length 100 is shorter than one block (128 tokens, method flashprefill)",
+        "context length 100 is shorter than one block (128 tokens, method dense)",
     ),
     "context above max positions": (
         "run",
