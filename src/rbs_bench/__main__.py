@@ -50,7 +50,7 @@ def run(cfg: DictConfig) -> None:
     from rbs_bench import report
     from rbs_bench.checks import check_cell
     from rbs_bench.loggers import make_logger
-    from rbs_bench.runner import Session, experiment_dir, run_cell
+    from rbs_bench.runner import Session, cell_dir, experiment_dir, run_cell
 
     hc = HydraConfig.get()
     experiment = hc.runtime.choices.get("experiment") or "adhoc"
@@ -62,6 +62,9 @@ def run(cfg: DictConfig) -> None:
             hydra.compose(config_name="config", overrides=list(hc.overrides.task) + grid)
             for grid in grids
         ]
+        # a reference cell the grid also sweeps (dense among the methods) runs once
+        unique = {cell_dir(cell, experiment): cell for cell in reversed(cells)}
+        cells = [c for c in cells if unique.get(cell_dir(c, experiment)) is c]
     for cell in cells:
         validate(cell)  # `+key=value` overrides pass composition; catch misspelt ones here
         check_cell(cell, experiment)  # every cell, before the first one loads a model
