@@ -82,6 +82,7 @@ from rbs_bench.kernels.vertical_slash_attn import (
 )
 from torch import Tensor
 
+from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.rbs import _check_impl, _use_triton
 from rbs_bench.methods.selection import causal_block_mask
 
@@ -200,6 +201,14 @@ class MInference:
     knob_range = (1e-3, 1e2)  # open-ended: calibration searches it in log space
     is_dense = False
     block_size = DENSITY_BLOCK  # the density granularity; the pattern itself is token-level
+    info = MethodInfo(
+        display="MInference",
+        order=4,
+        sweep=("log", 1e-2, 1.0),
+        style=("#7f7f7f", "*"),
+        own_executor=True,  # a VerticalSlashPattern with its own attend
+        throughput=True,
+    )
 
     def __post_init__(self) -> None:
         _check_int("vertical_size", self.vertical_size, 0)

@@ -115,18 +115,8 @@ class ObservationsCfg:
     block_size: int = 128  # query/key block size of the analysis, given to every method
     top_fraction: float = 0.05  # a query block's true top blocks: this share of its candidates
     knob_points: int = 10  # knob values per method curve
-    methods: list[str] = field(
-        default_factory=lambda: [
-            "flashprefill",
-            "xattn",
-            "flexprefill",
-            "minference",
-            "quest",
-            "centroid",
-            "full_l2",
-            "rbs",
-        ]
-    )
+    # every compared method with a knob, in table order (MethodInfo.compare)
+    methods: list[str] = field(default_factory=lambda: methods.compared())
     seed: int = 0  # synthetic only: seed of the first prompt
     generator: dict[str, Any] = field(default_factory=dict)  # synthetic.generate kwargs
     structure: dict[str, Any] = field(default_factory=dict)  # synthetic.Structure fields
@@ -144,19 +134,8 @@ class TimingCfg:
     batches: list[int] = field(default_factory=lambda: [1])
     batch_contexts: list[int] | None = None  # contexts of batches > 1; None: the device's default
     batch_methods: list[str] | None = None  # methods of batches > 1; None: every method
-    methods: list[str] = field(
-        default_factory=lambda: [
-            "dense",
-            "rbs",
-            "flashprefill",
-            "xattn",
-            "flexprefill",
-            "minference",
-            "quest",
-            "centroid",
-            "full_l2",
-        ]
-    )
+    # dense, the method under study, then every other compared method in table order
+    methods: list[str] = field(default_factory=lambda: timing_methods())
     target: float = 0.05  # measured density each method is calibrated to on the input
     warmup: int = 1  # untimed requests per method before the timed ones
     repeats: int | None = None  # timed requests (median reported); None: 3 on CUDA, 1 on a CPU
@@ -187,6 +166,13 @@ class RunCfg:
     time_budget_s: float | None = None
     observations: ObservationsCfg | None = None  # set by +experiment=observations
     timing: TimingCfg | None = None  # set by +experiment=speed|memory|throughput|selector_time
+
+
+def timing_methods() -> list[str]:
+    """The timing experiments' default methods: dense, the headline method, the other compared
+    methods in table order (MethodInfo.compare)."""
+    first = [methods.DENSE, methods.headline()]
+    return first + [m for m in methods.compared() if m not in first]
 
 
 def method_schema(name: str) -> type:

@@ -43,40 +43,19 @@ from pathlib import Path
 
 import pandas as pd
 
+from rbs_bench import methods
 from rbs_bench.config import UserError
 from rbs_bench.records import write_atomic
 from rbs_bench.report import CELL, load_records, summarize
 
 PAPER_COLUMNS = ["table", "caption_short", "row", "column", "value", "unit", "tex_line", "bold"]
 
-# Our method names, in table order, and the paper's names for them.
-METHOD_ORDER = [
-    "dense",
-    "flashprefill",
-    "xattn",
-    "flexprefill",
-    "minference",
-    "quest",
-    "centroid",
-    "full_l2",
-    "rbs",
-]
-DISPLAY = {
-    "dense": "Dense",
-    "flashprefill": "FlashPrefill",
-    "xattn": "XAttn",
-    "flexprefill": "FlexPrefill",
-    "minference": "MInference",
-    "quest": "Quest-style",
-    "centroid": "Centroid-only",
-    "full_l2": "Full-L2",
-    "rbs": "RBS-Attention",
-}
+# A method's name in tables and its position come from its selector class (`MethodInfo`).
+display = methods.display
 MISSING = "–"
 
 
-def method_order(m: str) -> tuple:
-    return (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m)
+method_order = methods.order_key
 
 
 # ------------------------------------------------------------------------------------------------
@@ -603,7 +582,7 @@ class GridSpec:
     cols: Axis
     metrics: tuple[Metric, ...]
     split: tuple[str, ...] = ()
-    reference: str | None = "dense"
+    reference: str | None = methods.DENSE
     bold: str | None = None
     bold_by: str = "row"
     bold_skip: tuple = ()
@@ -722,7 +701,7 @@ class GridSpec:
                 got = [pv.get(paper.table, *paper.reference(mt.name)) for mt in self.metrics]
                 cell.paper = tuple(v or MISSING for v in got) if any(got) else None
             names = " / ".join(mt.name for mt in self.metrics)
-            who = DISPLAY.get(self.reference, self.reference)
+            who = display(self.reference)
             lines.append(
                 f"{who} (budget {budget}, n={int(m['n'])}): {names} = {cell.render(str, str)}."
             )
@@ -779,7 +758,7 @@ class RowSpec:
     paper: PaperLink | None = None
     paper_row: Callable[[tuple, str], str] | None = None  # (row key, model) -> the paper's row
     derive: Callable[[pd.DataFrame], pd.DataFrame] = lambda df: df
-    reference: str | None = "dense"  # method never bolded
+    reference: str | None = methods.DENSE  # method never bolded
     split: tuple[str, ...] = ("context_length",)
     notes: tuple[str, ...] = ()
     sample_note: bool = True
@@ -959,8 +938,15 @@ def _tasks_score(prefix: str) -> Callable[[pd.DataFrame], float]:
     return lambda df: score_mean(df[df["task"].str.startswith(prefix)])
 
 
-def _method_label(names: dict) -> Callable[[tuple], tuple[str, ...]]:
-    return lambda key: (names.get(key[0], DISPLAY.get(key[0], key[0])), *map(str, key[1:]))
+def _method_label(table: str | None = None) -> Callable[[tuple], tuple[str, ...]]:
+    """A row's label: the method's name in the paper table `table` (its display name by default),
+    then the other keys."""
+    return lambda key: (_row_name(key[0], table), *map(str, key[1:]))
+
+
+def _row_name(method: str, table: str | None) -> str:
+    info = methods.info(method)
+    return info.paper_row(table) if table else info.display
 
 
 def _method_key_order(key: tuple) -> tuple:
@@ -978,14 +964,14 @@ RULER_SETTING = {"model": "qwen3_30b_a3b_fp8", "context_length": 131072}
 RULER_BUDGET = GridSpec(
     title="RULER budget sweep (measured density / accuracy, %)",
     rows=Axis("target", title="Target", order=_target_order),
-    cols=Axis("method", label=lambda m: DISPLAY.get(m, m), order=method_order),
+    cols=Axis("method", label=display, order=method_order),
     metrics=(Metric("density", "density", 100.0), Metric("accuracy", "score")),
     split=("context_length",),
     bold="accuracy",
     paper=PaperLink(
         table="tab:ruler_budget",
         setting=RULER_SETTING,
-        column=lambda m, metric: f"{DISPLAY.get(m, m)}:{metric}",
+        column=lambda m, metric: f"{display(m)}:{metric}",
         reference=lambda metric: ("Dense", f"Dense:{metric}"),
     ),
     derive=_with_target,
@@ -999,7 +985,7 @@ RULER_BUDGET = GridSpec(
 # Paper Table 8 (tab:strict_density): rows = methods, columns = density anchors.
 STRICT_DENSITY = GridSpec(
     title="Strict density matching on RULER (measured density / accuracy, %)",
-    rows=Axis("method", title="Method", label=lambda m: DISPLAY.get(m, m), order=method_order),
+    rows=Axis("method", title="Method", label=display, order=method_order),
     cols=Axis("target", label=lambda t: f"{t} anchor", order=_target_order),
     metrics=(Metric("density", "density", 100.0, ".3f"), Metric("accuracy", "score")),
     split=("context_length",),
@@ -1023,14 +1009,14 @@ STRICT_DENSITY = GridSpec(
 # Paper Table 4 (tab:ruler): accuracy row and density row per method, columns = context lengths.
 RULER_MAIN = GridSpec(
     title="RULER by context length at the default operating points (%)",
-    rows=Axis("method", title="Method", label=lambda m: DISPLAY.get(m, m), order=method_order),
+    rows=Axis("method", title="Method", label=display, order=method_order),
     cols=Axis("context_length", label=context_label, order=int),
     metrics=(Metric("accuracy", "score"), Metric("density", "density", 100.0, ".3f")),
     split=("budget",),
     reference=None,
     bold="accuracy",
     bold_by="column",
-    bold_skip=("dense",),
+    bold_skip=(methods.DENSE,),
     metric_rows=True,
     total_col="Overall",
     paper=PaperLink(
@@ -1066,18 +1052,18 @@ INFINITEBENCH = GridSpec(
         label=lambda t: _infinitebench_names().get(t, t),
         order=_infinitebench_order,
     ),
-    cols=Axis("method", label=lambda m: DISPLAY.get(m, m), order=method_order),
+    cols=Axis("method", label=display, order=method_order),
     metrics=(Metric("score", "score", 0.01, ".3f"),),
     split=("context_length",),
     reference=None,
     bold="score",
     bold_by="row",
-    bold_skip=("dense",),
+    bold_skip=(methods.DENSE,),
     total_row="Macro average",
     paper=PaperLink(
         table="tab:InfiniteBench",
         setting={"model": "qwen3_32b", "context_length": 131072},
-        column=lambda m, metric: DISPLAY.get(m, m),
+        column=lambda m, metric: display(m),
     ),
     notes=(
         "Scores: each task's official metric on the unit interval; the last row is the macro "
@@ -1114,14 +1100,12 @@ LONGBENCH_V2 = RowSpec(
         Column("p50", _density("p50"), ".3f", ("Estimated density (%):p50",)),
         Column("p90", _density("p90"), ".3f", ("Estimated density (%):p90",)),
     ),
-    label=_method_label({}),
+    label=_method_label(),
     order=_method_key_order,
     paper=PaperLink(
         "tab:longbench_dual", {"model": tuple(LONGBENCH_PANELS), "context_length": 131072}
     ),
-    paper_row=lambda key, model: (
-        f"{LONGBENCH_PANELS.get(model, model)}:{DISPLAY.get(key[0], key[0])}"
-    ),
+    paper_row=lambda key, model: f"{LONGBENCH_PANELS.get(model, model)}:{display(key[0])}",
     notes=(
         "Accuracy by the question's length class and over all questions. Density: mean, p50 and "
         "p90 over the samples of the run itself (the paper estimates them on a separate "
@@ -1143,10 +1127,10 @@ VIDEOMME = RowSpec(
         Column("Total", lambda df: df["score"].mean(), ".2f", ("Total",), best=True),
         Column("Density (%)", _density("mean"), ".3f"),
     ),
-    label=_method_label({}),
+    label=_method_label(),
     order=_method_key_order,
     paper=PaperLink("tab:videomme", {"model": "qwen3_vl_30b_a3b_thinking_fp8"}),
-    paper_row=lambda key, model: DISPLAY.get(key[0], key[0]),
+    paper_row=lambda key, model: display(key[0]),
     notes=(
         "Accuracy over all questions of each duration (an answer that cannot be extracted counts "
         "as wrong). Density (ours only): over text and video tokens. Bold: best sparse accuracy "
@@ -1154,17 +1138,13 @@ VIDEOMME = RowSpec(
     ),
 )
 
-ABLATION_NAMES = {
-    "centroid": "Centroid-only",
-    "full_l2": "Full-L2 bound",
-    "quest": "Quest-style",
-    "rbs": "RBS adaptive union",
-}
+ABLATION_TABLE = "tab:selector_ablation"
 
 
 def _ablation_order(key: tuple) -> tuple:
-    names = list(ABLATION_NAMES)
-    return (names.index(key[0]) if key[0] in names else len(names), key[0])
+    """The selectors the paper compares (a row name of their own there) first, then the rest;
+    each group by method name."""
+    return (ABLATION_TABLE not in methods.info(key[0]).paper_rows, key[0])
 
 
 # Paper Table 7 (tab:selector_ablation): density, accuracy and its bootstrap CI per selector.
@@ -1177,10 +1157,10 @@ SELECTOR_ABLATION = RowSpec(
         Column("Accuracy", score_mean, ".2f", ("Accuracy",), best=True),
         Column("95% CI", bootstrap_ci, ".2f", ("95% CI:low", "95% CI:high"), "[{}, {}]"),
     ),
-    label=_method_label(ABLATION_NAMES),
+    label=_method_label(ABLATION_TABLE),
     order=_ablation_order,
-    paper=PaperLink("tab:selector_ablation", RULER_SETTING),
-    paper_row=lambda key, model: ABLATION_NAMES.get(key[0], key[0]),
+    paper=PaperLink(ABLATION_TABLE, RULER_SETTING),
+    paper_row=lambda key, model: _row_name(key[0], ABLATION_TABLE),
     derive=_with_target,
     split=("context_length", "target"),
     notes=(
@@ -1207,10 +1187,10 @@ SELECTOR_BREAKDOWN = RowSpec(
             best=True,
         ),
     ),
-    label=_method_label(ABLATION_NAMES),
+    label=_method_label("tab:selector_breakdown"),
     order=_ablation_order,
     paper=PaperLink("tab:selector_breakdown", RULER_SETTING),
-    paper_row=lambda key, model: ABLATION_NAMES.get(key[0], key[0]),
+    paper_row=lambda key, model: _row_name(key[0], "tab:selector_breakdown"),
     derive=_with_target,
     split=("context_length", "target"),
     notes=(
@@ -1219,15 +1199,13 @@ SELECTOR_BREAKDOWN = RowSpec(
     ),
 )
 
-BLOCK_NAMES = {"centroid": "Centroid-only", "rbs": "RBS union"}
-KNOB_FIELD = {"rbs": "alpha_base"}  # the threshold shown for a method (default: its knob field)
+BLOCK_TABLE = "tab:block_sensitivity"
 
 
 def _threshold(df: pd.DataFrame) -> float | None:
-    from rbs_bench import methods
-
+    """The calibrated threshold of the rows' method (its `info.threshold_field`, else its knob)."""
     name = df["method"].iloc[0]
-    f = KNOB_FIELD.get(name) or methods.method_class(name).knob
+    f = methods.info(name).threshold_field or methods.method_class(name).knob
     vals = df["method_fields"].map(lambda d: d.get(f) if isinstance(d, dict) else None)
     vals = vals.dropna().unique()
     return float(vals[0]) if len(vals) == 1 else None
@@ -1243,10 +1221,10 @@ BLOCK_SIZE = RowSpec(
         Column("Actual density (%)", _density("mean"), ".3f", ("Actual density",)),
         Column("Accuracy (%)", score_mean, ".2f", ("Accuracy",)),
     ),
-    label=_method_label(BLOCK_NAMES),
+    label=_method_label(BLOCK_TABLE),
     order=_method_key_order,
-    paper=PaperLink("tab:block_sensitivity", RULER_SETTING),
-    paper_row=lambda key, model: f"{BLOCK_NAMES.get(key[0], key[0])}:{key[1]}",
+    paper=PaperLink(BLOCK_TABLE, RULER_SETTING),
+    paper_row=lambda key, model: f"{_row_name(key[0], BLOCK_TABLE)}:{key[1]}",
     derive=lambda df: _with_target(_field("block_size")(df)),
     split=("context_length", "target"),
     notes=(
@@ -1332,13 +1310,13 @@ CALIBRATION_COST = RowSpec(
         Column("Prompts", lambda df: float(df["prompts"].max()), ".0f"),
         Column("Forwards", lambda df: float(df["forwards"].sum()), ".0f"),
     ),
-    label=_method_label({}),
+    label=_method_label(),
     order=_method_key_order,
     paper=PaperLink(
         "tab:calibration",
         {"model": "qwen3_30b_a3b_fp8", "context_length": 131072, "prompts": 50},
     ),
-    paper_row=lambda key, model: DISPLAY.get(key[0], key[0]),
+    paper_row=lambda key, model: display(key[0]),
     reference=None,
     sample_note=False,
     notes=(
