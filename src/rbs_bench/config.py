@@ -184,11 +184,34 @@ def method_schema(name: str) -> type:
     return dataclasses.make_dataclass(f"{cls.__name__}Cfg", spec)
 
 
+def method_node(name: str):
+    """The `method=<name>` config of a method without conf/method/<name>.yaml: its schema with the
+    selector's defaults, and the forced-block fields it shares with ForcedCfg read from `forced.*`
+    (as the shipped YAML files read them)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(method_schema(name))
+    for f in dataclasses.fields(ForcedCfg):
+        if f.name in node:
+            node[f.name] = f"${{forced.{f.name}}}"
+    return node
+
+
 def register_schemas() -> None:
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunCfg)
+    shipped = set(group_options("method"))
     for name in methods.available():
         cs.store(group="method", name=f"{name}_schema", node=method_schema(name))
+        if name not in shipped:  # e.g. a plugin's method: its config comes from its dataclass
+            cs.store(group="method", name=name, node=method_node(name))
+    from rbs_bench import benchmarks
+
+    shipped = set(group_options("benchmark"))
+    for name in benchmarks.available():
+        if name not in shipped:  # a plugin's benchmark: the schema's defaults, its first task
+            tasks = list(benchmarks.get(name).TASKS)[:1]
+            cs.store(group="benchmark", name=name, node=BenchmarkCfg(name=name, tasks=tasks))
 
 
 def group_options(group: str) -> list[str]:
