@@ -161,6 +161,9 @@ class RunCfg:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     executor: str = "auto"  # sparse executor: auto | reference | flex
     progress: bool = True
+    # Record each layer's attention recall (share of the dense softmax mass on the kept pairs):
+    # one extra dense pass per layer, outside the timed regions.
+    recall: bool = False
     # Start no new sample (runs) or calibration (rbs_bench.calibrate) once this many seconds have
     # passed since the process started; rerunning the command continues where it stopped.
     time_budget_s: float | None = None
@@ -214,6 +217,13 @@ def register_schemas() -> None:
             cs.store(group="benchmark", name=name, node=BenchmarkCfg(name=name, tasks=tasks))
 
 
+def _generated_options(group: str) -> list[str]:
+    """The options register_schemas generates (registered methods and benchmarks)."""
+    from rbs_bench import benchmarks
+
+    return {"method": methods.available, "benchmark": benchmarks.available}.get(group, list)()
+
+
 def group_options(group: str) -> list[str]:
     """Names of the YAML files of a config group (what `group=<name>` accepts)."""
     root = resources.files(CONFIG_MODULE).joinpath(group)
@@ -232,7 +242,8 @@ def explain(exc: BaseException) -> str:
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
         group, _, option = exc.missing_cfg_file.rpartition("/")
         if group in GROUPS:
-            return f"unknown {group} {option!r}; valid: {', '.join(group_options(group))}"
+            valid = set(group_options(group)) | set(_generated_options(group))
+            return f"unknown {group} {option!r}; valid: {', '.join(sorted(valid))}"
     if isinstance(cause, unknown_key) and cause.full_key:
         typ = cause.object_type
         valid = [f.name for f in dataclasses.fields(typ)] if dataclasses.is_dataclass(typ) else []

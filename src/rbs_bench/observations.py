@@ -61,11 +61,10 @@ import torch
 from torch import Tensor
 
 from rbs_bench import methods
+from rbs_bench.baselines.minference import pattern_mass
 from rbs_bench.baselines.quest import top_fraction
 from rbs_bench.config import UserError
-from rbs_bench.kernels.block_mass import block_mass, block_mass_ref, causal_softmax_chunks
-from rbs_bench.kernels.block_stats import triton_available
-from rbs_bench.kernels.vertical_slash_attn import membership
+from rbs_bench.methods.oracle import true_block_mass
 from rbs_bench.methods.scorers import (
     LABELLED,
     SCORER_COLOURS,
@@ -78,6 +77,7 @@ from rbs_bench.records import RecordStore, check_fingerprint, write_atomic
 from rbs_bench.report import markdown_table
 
 QUINTILES = 5
+CEILING = "oracle"  # the coverage curve of keeping block pairs in descending true mass
 ORACLE_GRID = np.unique(
     np.concatenate([[0.0], np.geomspace(1e-4, 1.0, 161), np.linspace(0, 1, 201)])
 )
@@ -175,51 +175,6 @@ def knob_values(selector, points: int) -> list[float]:
 # ------------------------------------------------------------------------------------ capture
 
 
-def true_block_mass(q: Tensor, k: Tensor, block_size: int, scale: float | None) -> Tensor:
-    """Triton kernel on CUDA, chunked torch reference elsewhere."""
-    if q.is_cuda and triton_available():
-        return block_mass(q, k.to(q.dtype), block_size, scale)
-    return block_mass_ref(q, k, block_size, scale)
-
-
-def pattern_mass(
-    q: Tensor, k: Tensor, scale: float | None, patterns: list, chunk: int = 512
-) -> list[Tensor]:
-    """fp32 [B, Hq] per token pattern (MInference): the dense softmax mass, summed over the query
-    rows, on the pattern's (query, key) pairs. One chunked dense pass serves every pattern.
-
-    kept = column mass of its columns + diagonal mass of its offsets - the pairs on both; only the
-    overlap term reads single entries, at the union of the patterns' columns (O(N x columns)).
-    """
-    b, h, n, _ = q.shape
-    pos = torch.arange(n, device=q.device)
-    col_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over rows t of p_t(s), per key s
-    diag_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over t of p_t(t - d), per offset d
-    on_cols = [membership(p.columns, n) for p in patterns]  # bool [B, H, N] over keys
-    on_diags = [membership(p.diagonals, n) for p in patterns]  # bool [B, H, N] over offsets
-    union = torch.stack(on_cols).any(0)  # [B, H, N]
-    width = int(union.sum(-1).max())
-    ucols = union.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :width]
-    valid = union.gather(-1, ucols)  # [B, H, U]: False on padding
-    in_col = [oc.gather(-1, ucols) & valid for oc in on_cols]  # [B, H, U] per pattern
-    overlap = [q.new_zeros(b, h, dtype=torch.float32) for _ in patterns]
-    for t0, t1, p in causal_softmax_chunks(q, k, scale, chunk):
-        rows = torch.arange(t0, t1, device=q.device)[:, None]
-        col_mass += p.sum(2)
-        skew = (rows - pos[None, :]).clamp_min(0).expand(b, h, -1, -1)  # key t - d at offset d
-        diag_mass += p.gather(-1, skew).masked_fill(pos[None, :] > rows, 0).sum(2)
-        cu = ucols[:, :, None, :].expand(-1, -1, t1 - t0, -1)  # [B, H, T, U]
-        pu = p.gather(-1, cu)  # 0 where the key is after the query
-        off = (rows - cu).clamp_min(0).flatten(2)
-        for acc, od, ic in zip(overlap, on_diags, in_col):
-            both = od.gather(-1, off).view_as(pu) & ic[:, :, None, :]
-            acc += (pu * both).sum((-1, -2))
-    out = []
-    for oc, od, ov in zip(on_cols, on_diags, overlap):
-        out.append((col_mass * oc).sum(-1) + (diag_mass * od).sum(-1) - ov)
-    return out
-
-
 @dataclass
 class Analysis:
     """What one unit set (a layer's chosen heads) contributes to a prompt's record."""
@@ -302,6 +257,11 @@ def settings_from(ocfg) -> Settings:
         raise UserError(f"observations.top_fraction must be in (0, 1], got {ocfg.top_fraction}")
     selectors, knobs = {}, {}
     for name in ocfg.methods:
+        if name == CEILING:
+            raise UserError(
+                f"observations.methods: {name!r} is drawn anyway (the pooled ceiling curve); "
+                "leave it out"
+            )
         try:
             cls = methods.method_class(name)
             fields = {"block_size": bs} if "block_size" in methods.field_names(name) else {}
@@ -387,7 +347,7 @@ def prompt_record(results: dict, key: dict, seconds: float) -> dict:
         "layers": layers,
         "heads": len(units[0].masses),
         "curves": curves,
-        "oracle": oracle.tolist(),
+        CEILING: oracle.tolist(),
         "top": [ints(u.top) for u in units],
         "candidates": [ints(u.candidates) for u in units],
         "under": {s: [ints(u.under[s]) for u in units] for s in SCORERS},
@@ -415,9 +375,9 @@ def aggregate(records: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataF
                     "coverage": float(np.mean([c["coverage"][v] for c in cs])),
                 }
             )
-    oracle = pool_curves([np.asarray(r["oracle"]) for r in records], ORACLE_GRID)
+    oracle = pool_curves([np.asarray(r[CEILING]) for r in records], ORACLE_GRID)
     rows += [
-        {"method": "oracle", "knob": None, "density": x, "coverage": y}
+        {"method": CEILING, "knob": None, "density": x, "coverage": y}
         for x, y in zip(ORACLE_GRID, oracle)
     ]
     coverage = pd.DataFrame(rows)
@@ -500,8 +460,8 @@ def plot(coverage: pd.DataFrame, under: pd.DataFrame, share: pd.DataFrame, path:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), dpi=130)
     ax = axes[0]
-    oracle = coverage[coverage["method"] == "oracle"]
-    for name, grp in coverage[coverage["method"] != "oracle"].groupby("method", sort=False):
+    oracle = coverage[coverage["method"] == CEILING]
+    for name, grp in coverage[coverage["method"] != CEILING].groupby("method", sort=False):
         info = methods.info(name)
         colour, marker = info.style
         grp = grp.sort_values("density")
@@ -523,7 +483,7 @@ def plot(coverage: pd.DataFrame, under: pd.DataFrame, share: pd.DataFrame, path:
         "--",
         color="#2ca02c",
         lw=1.8,
-        label="oracle",
+        label=CEILING,
     )
     ax.set_xlabel("selected-block ratio (%)")
     ax.set_ylabel("attention-mass coverage (%)")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import math
 import re
@@ -455,16 +456,22 @@ def cell_means(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """Score and density per `keys`, averaged as report.summarize does: first per task x context
     length group, then over the groups (for keys == CELL this is summarize's overall table)."""
     groups = keys + [k for k in ("task", "context_length") if k not in keys]
+    recall = {"recall": ("recall", "mean")} if "recall" in df else {}  # runs with recall=true
     by_group = (
         df.groupby(groups, sort=False)
-        .agg(n=("score", "size"), score=("score", "mean"), density=("density", "mean"))
+        .agg(n=("score", "size"), score=("score", "mean"), density=("density", "mean"), **recall)
         .reset_index()
     )
     return (
         by_group.groupby(keys, sort=False)
-        .agg(n=("n", "sum"), score=("score", "mean"), density=("density", "mean"))
+        .agg(n=("n", "sum"), score=("score", "mean"), density=("density", "mean"), **recall)
         .reset_index()
     )
+
+
+def has_recall(df: pd.DataFrame) -> bool:
+    """Whether any record holds an attention recall (runs with recall=true)."""
+    return "recall" in df and bool(df["recall"].notna().any())
 
 
 def score_mean(df: pd.DataFrame) -> float:
@@ -547,6 +554,13 @@ class Metric:
         return MISSING if pd.isna(value) else format(self.scale * value, self.fmt)
 
 
+RECALL = Metric("recall", "recall", 100.0)
+RECALL_NOTE = (
+    "Recall: the share of the dense causal attention mass on the kept (query, key) pairs, mean "
+    "over layers, heads and samples (– where a run did not record it)."
+)
+
+
 @dataclass(frozen=True)
 class Axis:
     field: str  # record column the axis groups on (after the spec's derive)
@@ -592,15 +606,24 @@ class GridSpec:
     paper: PaperLink | None = None
     derive: Callable[[pd.DataFrame], pd.DataFrame] = lambda df: df
     notes: tuple[str, ...] = ()
+    recall: bool = False  # add the recall metric when the records hold one
 
     def build(self, df: pd.DataFrame, experiment: str, model: str, pv: PaperValues) -> list[Table]:
         df = self.derive(df.assign(model=df["model"] if "model" in df else model))
-        if not self.split:
-            return [self._table(df, experiment, model, {}, pv)]
+        spec = self
+        if self.recall and has_recall(df):
+            spec = dataclasses.replace(
+                self,
+                title=self.title.replace("density / accuracy", "density / accuracy / recall"),
+                metrics=(*self.metrics, RECALL),
+                notes=(*self.notes, RECALL_NOTE),
+            )
+        if not spec.split:
+            return [spec._table(df, experiment, model, {}, pv)]
         tables = []
-        for values, sub in df.groupby(list(self.split), sort=True):
-            where = dict(zip(self.split, values))
-            tables.append(self._table(sub, experiment, model, where, pv))
+        for values, sub in df.groupby(list(spec.split), sort=True):
+            where = dict(zip(spec.split, values))
+            tables.append(spec._table(sub, experiment, model, where, pv))
         return tables
 
     def _paper_applies(self, df: pd.DataFrame) -> bool:
@@ -980,6 +1003,7 @@ RULER_BUDGET = GridSpec(
         "heads and samples; accuracy: mean over tasks. Bold: highest sparse accuracy in the row "
         "(ours). MInference's token-level pattern counts the block pairs it touches.",
     ),
+    recall=True,
 )
 
 # Paper Table 8 (tab:strict_density): rows = methods, columns = density anchors.
@@ -1004,6 +1028,7 @@ STRICT_DENSITY = GridSpec(
         "RBS's measured densities of the budget sweep). Bold: highest accuracy at each anchor. "
         + DENSITY_NOTE,
     ),
+    recall=True,
 )
 
 # Paper Table 4 (tab:ruler): accuracy row and density row per method, columns = context lengths.
@@ -1029,6 +1054,7 @@ RULER_MAIN = GridSpec(
         "density row under each method is its measured density (%). Bold: highest sparse "
         "accuracy per column. " + DENSITY_NOTE,
     ),
+    recall=True,
 )
 
 

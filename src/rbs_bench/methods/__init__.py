@@ -23,10 +23,11 @@ from importlib.metadata import entry_points
 
 from rbs_bench.methods.dense import Dense
 from rbs_bench.methods.info import MethodInfo
+from rbs_bench.methods.oracle import Oracle
 from rbs_bench.methods.rbs import RBS, Centroid, FullL2
 from rbs_bench.methods.selection import BlockSelection, Selector
 
-_CORE = (Dense, RBS, Centroid, FullL2)
+_CORE = (Dense, RBS, Centroid, FullL2, Oracle)
 ENTRY_POINT_GROUP = "rbs_bench.methods"
 DENSE = Dense.name  # the reference of every table
 
