@@ -83,3 +83,11 @@ def test_recall_of_a_token_pattern_counts_its_pairs():
     want = (_dense_probs(q, k)[0] * pat.token_mask()[0]).sum((-1, -2)) / 300
     torch.testing.assert_close(attention_recall(q, k, pat)[0], want.float(), atol=1e-5, rtol=0)
     assert (want < 1).all()
+
+
+def test_density_curve_is_the_selection_density_at_every_ratio():
+    q, k = _qk(n=300, seed=5)
+    sel = Oracle(block_size=32, sink_blocks=1, window_blocks=2, last_q_blocks=1)
+    ratios = [0.0, 0.05, 0.2, 0.37, 0.5, 0.8, 1.0]
+    want = [sel.with_knob(r).select(q, k).density() for r in ratios]
+    assert sel.density_curve(q, k, None, ratios) == pytest.approx(want, abs=1e-12)

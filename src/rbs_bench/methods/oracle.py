@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+import torch
 from torch import Tensor
 
 from rbs_bench.kernels.block_mass import block_mass, block_mass_ref
@@ -23,7 +25,12 @@ from rbs_bench.kernels.block_stats import triton_available
 from rbs_bench.kernels.quest_select import MAX_BLOCKS, top_fraction, top_fraction_select
 from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.rbs import BlockSelector, _check_impl, _use_triton
-from rbs_bench.methods.selection import BlockSelection, candidate_mask
+from rbs_bench.methods.selection import (
+    BlockSelection,
+    candidate_mask,
+    causal_block_mask,
+    forced_mask,
+)
 
 RATIO = 0.1
 
@@ -61,6 +68,29 @@ class Oracle(BlockSelector):
         if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= 1):
             raise ValueError(f"ratio must be a number in [0, 1], got {r!r}")
         _check_impl(self.impl)
+
+    def density_curve(self, q: Tensor, k: Tensor, scale, values) -> np.ndarray:
+        """Density [V] at each ratio in `values`, exact, from one block-mass pass (what `select`
+        at each ratio would measure): a row keeps its forced blocks and its first
+        min(c, max(1, ceil(ratio c))) candidates in descending mass."""
+        bs, n = self.block_size, q.shape[2]
+        mass = true_block_mass(q, k, bs, scale)  # [B, H, M, M]
+        m = mass.shape[-1]
+        cand = candidate_mask(m, q.device)
+        forced = forced_mask(m, self.sink_blocks, self.window_blocks, self.last_q_blocks, q.device)
+        order = mass.masked_fill(~cand, -math.inf).sort(dim=-1, descending=True, stable=True)[1]
+        free = (cand & ~forced).expand_as(mass).gather(-1, order)  # ranked: adds a block if kept
+        gained = torch.nn.functional.pad(free.long().cumsum(-1), (1, 0))  # [B, H, M, M + 1]
+        n_cand = cand.sum(-1)  # [M]
+        base = int((forced & causal_block_mask(n, bs, bs, q.device)).sum())
+        total = int(causal_block_mask(n, bs, bs).sum())
+        out = []
+        for r in values:
+            count = torch.clamp(torch.ceil(r * n_cand.double() - 1e-9), min=1).long()
+            count = torch.minimum(count, n_cand).expand(*mass.shape[:2], m)
+            kept = gained.gather(-1, count[..., None]).squeeze(-1).sum(-1)  # [B, H]
+            out.append(float(((base + kept).double() / total).mean()))
+        return np.asarray(out)
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)
