@@ -506,6 +506,7 @@ def test_recall_column_and_oracle_row_appear_when_runs_recorded_them(tmp_path):
     md = (out / "ruler_budget_tiny.md").read_text()
     rows = _md_rows(md)
     assert rows["Target"] == ["RBS-Attention", "Oracle"]
-    assert rows["5%"] == ["5.50 / 80.00 / 50.00", "5.00 / **100.00** / 90.00"]
+    # the oracle is a reference: never the bold best of a row
+    assert rows["5%"] == ["5.50 / **80.00** / 50.00", "5.00 / 100.00 / 90.00"]
     assert "density / accuracy / recall" in md and "Recall: the share" in md
     assert "Dense (budget default, n=4): density / accuracy / recall = 100.00 / 90.00 / –." in md

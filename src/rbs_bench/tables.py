@@ -701,12 +701,15 @@ class GridSpec:
         entries = []  # (row key, col key, cell, index of the metric in the cell)
         for rk, col_keys, metrics, cells in rows:
             names = [mt.name for mt in metrics]
-            if self.bold not in names or rk in (self.total_row,) or rk in self.bold_skip:
+            skip = rk in (self.total_row,) or rk in self.bold_skip or _reference_method(rk)
+            if self.bold not in names or skip:
                 continue
             i = names.index(self.bold)
             for ck, c in zip(col_keys, cells[1:]):
                 has = len(c.ours) > i and c.ours[i] != MISSING
                 if has and ck != self.total_col and ck not in self.bold_skip:
+                    if _reference_method(ck):
+                        continue
                     entries.append((rk, ck, c, i))
         by = 0 if self.bold_by == "row" else 1
         for key in {e[by] for e in entries}:
@@ -846,6 +849,7 @@ class RowSpec:
                 cells[nkeys + j]
                 for key, sub, cells in rows
                 if not ("method" in sub and (sub["method"] == self.reference).all())
+                and not ("method" in sub and sub["method"].map(_reference_method).all())
                 and cells[nkeys + j].ours[0] != MISSING
             ]
             if not cand:
@@ -959,6 +963,11 @@ def _density(stat: str) -> Callable[[pd.DataFrame], float]:
 
 def _tasks_score(prefix: str) -> Callable[[pd.DataFrame], float]:
     return lambda df: score_mean(df[df["task"].str.startswith(prefix)])
+
+
+def _reference_method(key) -> bool:
+    """A key naming a method that is a reference, not a contender (the oracle): never bold."""
+    return isinstance(key, str) and methods.info(key).reference
 
 
 def _method_label(table: str | None = None) -> Callable[[tuple], tuple[str, ...]]:

@@ -34,6 +34,8 @@ class MethodInfo:
                  strongest in figures
     own_executor its selection is not made of blocks and brings its own `attend`
     throughput   compared at batch > 1 in the prompt-throughput table by default
+    reference    an upper reference rather than a prefill method (it reads the dense attention):
+                 tables never mark it best
     compare      in the default method lists of the comparison studies (observations, timing);
                  False for methods that are not a prefill contender (e.g. one that reads the
                  dense attention itself)
@@ -49,6 +51,7 @@ class MethodInfo:
     headline: bool = False
     own_executor: bool = False
     throughput: bool = False
+    reference: bool = False
     compare: bool = True
 
     def __post_init__(self) -> None:
