@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.rbs import Centroid
 
 ALPHA = 0.12  # FlashPrefill's Qwen3-MoE setting (ruler/models/qwen3.py), used by the paper
@@ -50,6 +51,14 @@ class FlashPrefill(Centroid):
 
     alpha: float = ALPHA
     name = "flashprefill"
+    info = MethodInfo(
+        display="FlashPrefill",
+        order=1,
+        sweep=("log", 1e-7, 1.0),
+        style=("#6baed6", "v"),
+        overlay=True,  # the centroid rule: its coverage curve is centroid's
+        throughput=True,
+    )
 
 
 def main() -> None:

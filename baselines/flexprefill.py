@@ -75,6 +75,7 @@ from rbs_bench.kernels.flexprefill_select import (
 from rbs_bench.kernels.vertical_slash_attn import check_qk, coverage_count, top_mask
 from torch import Tensor
 
+from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.rbs import _check_impl, _use_triton
 from rbs_bench.methods.selection import BlockSelection, check_inputs
 
@@ -105,6 +106,17 @@ class FlexPrefill:
     knob_direction = 1  # a larger coverage keeps more blocks
     knob_range = (0.0, 1.0)  # a fraction: calibration searches it linearly
     is_dense = False
+    info = MethodInfo(
+        display="FlexPrefill",
+        order=3,
+        sweep=("tail", 0.0, 1.0 - 1e-4),
+        style=("#e377c2", "X"),
+        throughput=True,
+    )
+
+    def block_statistics(self, k: Tensor) -> list[tuple[str, Tensor]]:
+        """The per-key-block summary its query-aware estimate reads: the mean-pooled keys."""
+        return [("mean-pooled key", block_means(k, self.block_size))]
 
     def __post_init__(self) -> None:
         _check_gamma(self.gamma)

@@ -64,11 +64,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from rbs_bench.kernels.block_mass import causal_softmax_chunks
 from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.kernels.vertical_slash_attn import (
     attention_supported,
     check_pattern,
     estimate_supported,
+    membership,
     top_k_ids,
     top_k_ids_ref,
     vertical_slash_attention,
@@ -81,6 +83,7 @@ from rbs_bench.kernels.vertical_slash_attn import (
 )
 from torch import Tensor
 
+from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.rbs import _check_impl, _use_triton
 from rbs_bench.methods.selection import causal_block_mask, check_inputs
 
@@ -124,6 +127,10 @@ class VerticalSlashPattern:
         return vertical_slash_block_mask(
             self.columns, self.diagonals, self.seq_len, self.block_size
         )
+
+    def kept_mass(self, q: Tensor, k: Tensor, scale: float | None = None) -> Tensor:
+        """fp32 [B, H]: the dense causal softmax mass on the pattern, summed over the queries."""
+        return pattern_mass(q, k, scale, [self])[0]
 
     def token_mask(self) -> Tensor:
         """bool [B, H, N, N]: the attended (query, key) pairs; for tests and small inputs."""
@@ -181,6 +188,44 @@ def _check_int(name: str, value, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
+def pattern_mass(
+    q: Tensor, k: Tensor, scale: float | None, patterns: list, chunk: int = 512
+) -> list[Tensor]:
+    """fp32 [B, Hq] per token pattern (MInference): the dense softmax mass, summed over the query
+    rows, on the pattern's (query, key) pairs. One chunked dense pass serves every pattern.
+
+    kept = column mass of its columns + diagonal mass of its offsets - the pairs on both; only the
+    overlap term reads single entries, at the union of the patterns' columns (O(N x columns)).
+    """
+    b, h, n, _ = q.shape
+    pos = torch.arange(n, device=q.device)
+    col_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over rows t of p_t(s), per key s
+    diag_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over t of p_t(t - d), per offset d
+    on_cols = [membership(p.columns, n) for p in patterns]  # bool [B, H, N] over keys
+    on_diags = [membership(p.diagonals, n) for p in patterns]  # bool [B, H, N] over offsets
+    union = torch.stack(on_cols).any(0)  # [B, H, N]
+    width = int(union.sum(-1).max())
+    ucols = union.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :width]
+    valid = union.gather(-1, ucols)  # [B, H, U]: False on padding
+    in_col = [oc.gather(-1, ucols) & valid for oc in on_cols]  # [B, H, U] per pattern
+    overlap = [q.new_zeros(b, h, dtype=torch.float32) for _ in patterns]
+    for t0, t1, p in causal_softmax_chunks(q, k, scale, chunk):
+        rows = torch.arange(t0, t1, device=q.device)[:, None]
+        col_mass += p.sum(2)
+        skew = (rows - pos[None, :]).clamp_min(0).expand(b, h, -1, -1)  # key t - d at offset d
+        diag_mass += p.gather(-1, skew).masked_fill(pos[None, :] > rows, 0).sum(2)
+        cu = ucols[:, :, None, :].expand(-1, -1, t1 - t0, -1)  # [B, H, T, U]
+        pu = p.gather(-1, cu)  # 0 where the key is after the query
+        off = (rows - cu).clamp_min(0).flatten(2)
+        for acc, od, ic in zip(overlap, on_diags, in_col):
+            both = od.gather(-1, off).view_as(pu) & ic[:, :, None, :]
+            acc += (pu * both).sum((-1, -2))
+    out = []
+    for oc, od, ov in zip(on_cols, on_diags, overlap):
+        out.append((col_mass * oc).sum(-1) + (diag_mass * od).sum(-1) - ov)
+    return out
+
+
 @dataclass(frozen=True)
 class MInference:
     """Vertical-slash selection from the last queries' attention. Knob: ratio (larger = more)."""
@@ -199,6 +244,14 @@ class MInference:
     knob_range = (1e-3, 1e2)  # open-ended: calibration searches it in log space
     is_dense = False
     block_size = DENSITY_BLOCK  # the density granularity; the pattern itself is token-level
+    info = MethodInfo(
+        display="MInference",
+        order=4,
+        sweep=("log", 1e-2, 1.0),
+        style=("#7f7f7f", "*"),
+        own_executor=True,  # a VerticalSlashPattern with its own attend
+        throughput=True,
+    )
 
     def __post_init__(self) -> None:
         _check_int("vertical_size", self.vertical_size, 0)

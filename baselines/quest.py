@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.kernels.quest_select import (
     MAX_BLOCKS,
     box_scores_ref,
@@ -52,7 +53,8 @@ from rbs_bench.kernels.quest_select import (
 )
 from torch import Tensor
 
-from rbs_bench.methods.rbs import BlockSelector, _check_impl, _use_triton
+from rbs_bench.methods.info import MethodInfo
+from rbs_bench.methods.rbs import SELECTOR_TABLES, BlockSelector, _check_impl, _use_triton
 from rbs_bench.methods.selection import BlockSelection, candidate_mask
 
 __all__ = ["RATIO", "Quest", "box_scores_ref", "box_stats_ref", "top_fraction"]
@@ -72,6 +74,14 @@ class Quest(BlockSelector):
     knob = "ratio"
     knob_direction = 1  # a larger ratio keeps more blocks
     knob_range = (0.0, 1.0)  # a fraction: calibration searches it linearly
+    info = MethodInfo(
+        display="Quest-style",
+        order=5,
+        paper_rows=dict.fromkeys(SELECTOR_TABLES, "Quest-style"),
+        sweep=("lin", 0.0, 1.0),
+        style=("#8c564b", "^"),
+        throughput=True,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,6 +89,13 @@ class Quest(BlockSelector):
         if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= 1):
             raise ValueError(f"ratio must be a number in [0, 1], got {r!r}")
         _check_impl(self.impl)
+
+    def block_statistics(self, k: Tensor) -> list[tuple[str, Tensor]]:
+        """The per-key-block box this rule reads from keys k [B, Hkv, N, D], built as `select`
+        builds it on k's device."""
+        fast = k.is_cuda and triton_available() and self.impl != "torch"
+        kmin, kmax = (box_stats if fast else box_stats_ref)(k, self.block_size)
+        return [("min", kmin), ("max", kmax)]
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)

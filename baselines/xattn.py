@@ -83,6 +83,7 @@ from rbs_bench.kernels.xattn_select import (
 )
 from torch import Tensor
 
+from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.rbs import _check_impl, _use_triton
 from rbs_bench.methods.selection import BlockSelection, check_inputs
 
@@ -153,6 +154,13 @@ class XAttention:
     knob_direction = 1  # a larger tau keeps more blocks
     knob_range = (0.0, 1.0)  # a fraction: calibration searches it linearly
     is_dense = False
+    info = MethodInfo(
+        display="XAttn",
+        order=2,
+        sweep=("tail", 0.0, 1.0 - 1e-4),
+        style=("#ff7f0e", "P"),
+        throughput=True,
+    )
 
     def __post_init__(self) -> None:
         t = self.tau

@@ -99,12 +99,13 @@ def test_each_experiment_names_its_paper_table_and_setting(experiment):
     assert re.search(r"model=qwen3_\w+", header)  # the paper's model, as an override
 
 
-def test_ruler_budget_is_five_methods_by_four_targets():
+def test_ruler_budget_is_five_methods_and_the_oracle_by_four_targets():
     _, grids, cells = _expand("ruler_budget")
     methods = {c.method.name for c in cells}
-    assert methods == {"flashprefill", "xattn", "flexprefill", "minference", "rbs"}
+    assert methods == {"flashprefill", "xattn", "flexprefill", "minference", "rbs", "oracle"}
     targets = sorted({c.budget.target for c in cells})
-    assert len(targets) == 4 and len(grids) == 20
+    assert len(targets) == 4 and len(grids) == 24
+    assert all(c.recall for c in cells)  # the CPU default records attention recall
     (dense,) = _cells("ruler_budget", "method=dense", "budget=default")  # the reference line
     assert dense.budget.target is None
 

@@ -499,3 +499,25 @@ def test_paper_values_parts_join_numbered_columns():
     assert pv.parts("tab:calibration", "MInference", "Target density") == "2/5/10"
     assert pv.parts("tab:calibration", "RBS-Attention", "Target density") == "5"
     assert pv.parts("tab:calibration", "RBS-Attention", "nosuch") is None
+
+
+def test_recall_column_and_oracle_row_appear_when_runs_recorded_them(tmp_path):
+    _put(tmp_path, "tiny", "dense", "default", None, 4096, [100, 80], [1, 1])
+    _put(tmp_path, "tiny", "rbs", "d5", 0.05, 4096, [100, 60], [0.05, 0.06])
+    _put(tmp_path, "tiny", "oracle", "d5", 0.05, 4096, [100, 100], [0.05, 0.05])
+    for method, budget, recall in (("rbs", "d5", 0.5), ("oracle", "d5", 0.9)):
+        path = tmp_path / "runs" / "ruler_budget" / "tiny" / method / budget / "records.jsonl"
+        lines = path.read_text().splitlines()
+        path.write_text("".join(ln[:-1] + f', "recall": {recall}}}\n' for ln in lines))
+    out = tmp_path / "tables"
+    assert (
+        tables.main(["--results", str(tmp_path), "--out", str(out), "--paper-values", str(VALUES)])
+        == 0
+    )
+    md = (out / "ruler_budget_tiny.md").read_text()
+    rows = _md_rows(md)
+    assert rows["Target"] == ["RBS-Attention", "Oracle"]
+    # the oracle is a reference: never the bold best of a row
+    assert rows["5%"] == ["5.50 / **80.00** / 50.00", "5.00 / 100.00 / 90.00"]
+    assert "density / accuracy / recall" in md and "Recall: the share" in md
+    assert "Dense (budget default, n=4): density / accuracy / recall = 100.00 / 90.00 / –." in md

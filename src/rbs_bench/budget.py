@@ -124,8 +124,12 @@ def threshold_curve(selector, q, k, scale, values) -> np.ndarray | None:
 
 
 def density_curve(selector, q, k, scale, values) -> np.ndarray:
-    """Density [V] of `selector` at each knob value on one layer's q [B, Hq, N, D], k."""
-    curve = threshold_curve(selector, q, k, scale, values)
+    """Density [V] of `selector` at each knob value on one layer's q [B, Hq, N, D], k (a selector
+    with its own `density_curve` computes it from one scoring)."""
+    own = getattr(selector, "density_curve", None)
+    curve = (
+        threshold_curve(selector, q, k, scale, values) if own is None else own(q, k, scale, values)
+    )
     if curve is None:
         curve = np.asarray(
             [selector.with_knob(v).select(q, k, scale=scale).density() for v in values]

@@ -115,18 +115,8 @@ class ObservationsCfg:
     block_size: int = 128  # query/key block size of the analysis, given to every method
     top_fraction: float = 0.05  # a query block's true top blocks: this share of its candidates
     knob_points: int = 10  # knob values per method curve
-    methods: list[str] = field(
-        default_factory=lambda: [
-            "flashprefill",
-            "xattn",
-            "flexprefill",
-            "minference",
-            "quest",
-            "centroid",
-            "full_l2",
-            "rbs",
-        ]
-    )
+    # every compared method with a knob, in table order (MethodInfo.compare)
+    methods: list[str] = field(default_factory=lambda: methods.compared())
     seed: int = 0  # synthetic only: seed of the first prompt
     generator: dict[str, Any] = field(default_factory=dict)  # synthetic.generate kwargs
     structure: dict[str, Any] = field(default_factory=dict)  # synthetic.Structure fields
@@ -144,19 +134,8 @@ class TimingCfg:
     batches: list[int] = field(default_factory=lambda: [1])
     batch_contexts: list[int] | None = None  # contexts of batches > 1; None: the device's default
     batch_methods: list[str] | None = None  # methods of batches > 1; None: every method
-    methods: list[str] = field(
-        default_factory=lambda: [
-            "dense",
-            "rbs",
-            "flashprefill",
-            "xattn",
-            "flexprefill",
-            "minference",
-            "quest",
-            "centroid",
-            "full_l2",
-        ]
-    )
+    # dense, the method under study, then every other compared method in table order
+    methods: list[str] = field(default_factory=lambda: timing_methods())
     target: float = 0.05  # measured density each method is calibrated to on the input
     warmup: int = 1  # untimed requests per method before the timed ones
     repeats: int | None = None  # timed requests (median reported); None: 3 on CUDA, 1 on a CPU
@@ -182,6 +161,9 @@ class RunCfg:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     executor: str = "auto"  # sparse executor: auto | reference | flex
     progress: bool = True
+    # Record each layer's attention recall (share of the dense softmax mass on the kept pairs):
+    # one extra dense pass per layer, outside the timed regions.
+    recall: bool = False
     # Start no new sample (runs) or calibration (rbs_bench.calibrate) once this many seconds have
     # passed since the process started; rerunning the command continues where it stopped.
     time_budget_s: float | None = None
@@ -193,6 +175,13 @@ class RunCfg:
     reference: list[str] = field(default_factory=list)
 
 
+def timing_methods() -> list[str]:
+    """The timing experiments' default methods: dense, the headline method, the other compared
+    methods in table order (MethodInfo.compare)."""
+    first = [methods.DENSE, methods.headline()]
+    return first + [m for m in methods.compared() if m not in first]
+
+
 def method_schema(name: str) -> type:
     """The config dataclass of a registered method: `name` plus the selector's own fields."""
     cls = methods.method_class(name)
@@ -202,14 +191,44 @@ def method_schema(name: str) -> type:
     return dataclasses.make_dataclass(f"{cls.__name__}Cfg", spec)
 
 
+def method_node(name: str):
+    """The `method=<name>` config of a method without conf/method/<name>.yaml: its schema with the
+    selector's defaults, and the forced-block fields it shares with ForcedCfg read from `forced.*`
+    (as the shipped YAML files read them)."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(method_schema(name))
+    for f in dataclasses.fields(ForcedCfg):
+        if f.name in node:
+            node[f.name] = f"${{forced.{f.name}}}"
+    return node
+
+
 def register_schemas() -> None:
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("rbs_bench_groups", groups_help, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="run_schema", node=RunCfg)
+    shipped = set(group_options("method"))
     for name in methods.available():
         cs.store(group="method", name=f"{name}_schema", node=method_schema(name))
+        if name not in shipped:  # e.g. a plugin's method: its config comes from its dataclass
+            cs.store(group="method", name=name, node=method_node(name))
+    from rbs_bench import benchmarks
+
+    shipped = set(group_options("benchmark"))
+    for name in benchmarks.available():
+        if name not in shipped:  # a plugin's benchmark: the schema's defaults, its first task
+            tasks = list(benchmarks.get(name).TASKS)[:1]
+            cs.store(group="benchmark", name=name, node=BenchmarkCfg(name=name, tasks=tasks))
+
+
+def _generated_options(group: str) -> list[str]:
+    """The options register_schemas generates (registered methods and benchmarks)."""
+    from rbs_bench import benchmarks
+
+    return {"method": methods.available, "benchmark": benchmarks.available}.get(group, list)()
 
 
 def groups_help() -> str:
@@ -238,7 +257,8 @@ def explain(exc: BaseException) -> str:
     if isinstance(exc, MissingConfigException) and exc.missing_cfg_file:
         group, _, option = exc.missing_cfg_file.rpartition("/")
         if group in GROUPS:
-            return f"unknown {group} {option!r}; valid: {', '.join(group_options(group))}"
+            valid = set(group_options(group)) | set(_generated_options(group))
+            return f"unknown {group} {option!r}; valid: {', '.join(sorted(valid))}"
     if isinstance(cause, unknown_key) and cause.full_key:
         typ = cause.object_type
         valid = [f.name for f in dataclasses.fields(typ)] if dataclasses.is_dataclass(typ) else []

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pandas as pd
 
+from rbs_bench.methods import DENSE
 from rbs_bench.report import load_records
-from rbs_bench.tables import DISPLAY, cell_means, context_label, method_order
+from rbs_bench.tables import cell_means, context_label, display, method_order
 
 MARKERS = "osD^vPX*h"
 
@@ -59,8 +60,8 @@ def budget_figure(df: pd.DataFrame, title: str, path: Path) -> Path:
         means = cell_means(sub, ["method", "budget"])
         for i, method in enumerate(sorted(means["method"].unique(), key=method_order)):
             m = means[means["method"] == method].sort_values("density")
-            name = DISPLAY.get(method, method)
-            if method == "dense":
+            name = display(method)
+            if method == DENSE:
                 ax.axhline(m["score"].mean(), ls="--", color="0.4", lw=1, label=name)
                 continue
             ax.plot(100 * m["density"], m["score"], marker=MARKERS[i % len(MARKERS)], label=name)
@@ -80,7 +81,7 @@ def length_figure(df: pd.DataFrame, title: str, path: Path) -> Path:
     fig, (acc, dens) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
     for i, method in enumerate(sorted(means["method"].unique(), key=method_order)):
         m = means[means["method"] == method].sort_values("context_length")
-        kw = dict(marker=MARKERS[i % len(MARKERS)], label=DISPLAY.get(method, method))
+        kw = dict(marker=MARKERS[i % len(MARKERS)], label=display(method))
         acc.plot(m["context_length"], m["score"], **kw)
         dens.plot(m["context_length"], 100 * m["density"], **kw)
     lengths = sorted(means["context_length"].unique())

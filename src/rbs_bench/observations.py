@@ -61,37 +61,23 @@ import torch
 from torch import Tensor
 
 from rbs_bench import methods
-from rbs_bench.baselines.quest import box_scores_ref, box_stats_ref, top_fraction
+from rbs_bench.baselines.minference import pattern_mass
+from rbs_bench.baselines.quest import top_fraction
 from rbs_bench.config import UserError
-from rbs_bench.kernels.block_mass import block_mass, block_mass_ref, causal_softmax_chunks
-from rbs_bench.kernels.block_scores import block_scores_ref
-from rbs_bench.kernels.block_stats import block_stats_ref, rescue_beta_ref
-from rbs_bench.kernels.triton_util import triton_available
-from rbs_bench.kernels.vertical_slash_attn import membership
+from rbs_bench.methods.oracle import true_block_mass
+from rbs_bench.methods.scorers import (
+    LABELLED,
+    SCORER_COLOURS,
+    SCORER_LABELS,
+    SCORERS,
+    scorer_scores,
+)
 from rbs_bench.methods.selection import BlockSelection, candidate_mask
 from rbs_bench.records import RecordStore, check_fingerprint, write_atomic
 from rbs_bench.report import markdown_table
 
 QUINTILES = 5
-SCORERS = ("centroid", "rbs", "full_l2", "quest")
-SCORER_LABELS = {
-    "centroid": "centroid (mean-only)",
-    "rbs": "RBS rescue",
-    "full_l2": "full L2",
-    "quest": "Quest box",
-}
-# Knob values of each method's sweep: (spacing, lo, hi). "log": geometric; "lin": linear;
-# "tail": 1 - geometric from 1 - lo down to 1 - hi (coverage targets, dense near 1).
-SWEEPS = {
-    "centroid": ("log", 1e-7, 1.0),
-    "flashprefill": ("log", 1e-7, 1.0),
-    "full_l2": ("log", 1e-7, 1.0),
-    "rbs": ("log", 1e-7 / 0.18, 1.0 / 0.18),  # alpha_scale s: (alpha_base, alpha_rescue) x s
-    "quest": ("lin", 0.0, 1.0),
-    "xattn": ("tail", 0.0, 1.0 - 1e-4),
-    "flexprefill": ("tail", 0.0, 1.0 - 1e-4),
-    "minference": ("log", 1e-2, 1.0),
-}
+CEILING = "oracle"  # the coverage curve of keeping block pairs in descending true mass
 ORACLE_GRID = np.unique(
     np.concatenate([[0.0], np.geomspace(1e-4, 1.0, 161), np.linspace(0, 1, 201)])
 )
@@ -173,9 +159,11 @@ def pool_curves(curves: list[np.ndarray], grid: np.ndarray) -> np.ndarray:
 
 
 def knob_values(selector, points: int) -> list[float]:
-    """The knob values a method's curve is traced at (SWEEPS, else its knob_range)."""
-    spacing, lo, hi = SWEEPS.get(
-        selector.name, ("log", *getattr(selector, "knob_range", (1e-4, 1e3)))
+    """The knob values a method's curve is traced at: its `info.sweep` (docs of
+    rbs_bench.methods.info.MethodInfo), else geometric over its knob_range."""
+    spacing, lo, hi = methods.info(selector.name).sweep or (
+        "log",
+        *getattr(selector, "knob_range", (1e-4, 1e3)),
     )
     if spacing == "lin":
         return np.linspace(lo, hi, points).tolist()
@@ -185,63 +173,6 @@ def knob_values(selector, points: int) -> list[float]:
 
 
 # ------------------------------------------------------------------------------------ capture
-
-
-def scorer_scores(q: Tensor, k: Tensor, block_size: int, scale: float | None):
-    """({scorer: fp32 [B, Hq, M, M] block scores}, radius [B, Hkv, M], beta [B, Hkv, M])."""
-    centroid, radius = block_stats_ref(k, block_size)
-    beta = rescue_beta_ref(radius)
-    base, rescue, full = block_scores_ref(
-        q, centroid, [None, radius * beta, radius], block_size, scale
-    )
-    kmin, kmax = box_stats_ref(k, block_size)
-    quest = box_scores_ref(q, kmin, kmax, block_size)
-    return {"centroid": base, "rbs": rescue, "full_l2": full, "quest": quest}, radius, beta
-
-
-def true_block_mass(q: Tensor, k: Tensor, block_size: int, scale: float | None) -> Tensor:
-    """Triton kernel on CUDA, chunked torch reference elsewhere."""
-    if q.is_cuda and triton_available():
-        return block_mass(q, k.to(q.dtype), block_size, scale)
-    return block_mass_ref(q, k, block_size, scale)
-
-
-def pattern_mass(
-    q: Tensor, k: Tensor, scale: float | None, patterns: list, chunk: int = 512
-) -> list[Tensor]:
-    """fp32 [B, Hq] per token pattern (MInference): the dense softmax mass, summed over the query
-    rows, on the pattern's (query, key) pairs. One chunked dense pass serves every pattern.
-
-    kept = column mass of its columns + diagonal mass of its offsets - the pairs on both; only the
-    overlap term reads single entries, at the union of the patterns' columns (O(N x columns)).
-    """
-    b, h, n, _ = q.shape
-    pos = torch.arange(n, device=q.device)
-    col_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over rows t of p_t(s), per key s
-    diag_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over t of p_t(t - d), per offset d
-    on_cols = [membership(p.columns, n) for p in patterns]  # bool [B, H, N] over keys
-    on_diags = [membership(p.diagonals, n) for p in patterns]  # bool [B, H, N] over offsets
-    union = torch.stack(on_cols).any(0)  # [B, H, N]
-    width = int(union.sum(-1).max())
-    ucols = union.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :width]
-    valid = union.gather(-1, ucols)  # [B, H, U]: False on padding
-    in_col = [oc.gather(-1, ucols) & valid for oc in on_cols]  # [B, H, U] per pattern
-    overlap = [q.new_zeros(b, h, dtype=torch.float32) for _ in patterns]
-    for t0, t1, p in causal_softmax_chunks(q, k, scale, chunk):
-        rows = torch.arange(t0, t1, device=q.device)[:, None]
-        col_mass += p.sum(2)
-        skew = (rows - pos[None, :]).clamp_min(0).expand(b, h, -1, -1)  # key t - d at offset d
-        diag_mass += p.gather(-1, skew).masked_fill(pos[None, :] > rows, 0).sum(2)
-        cu = ucols[:, :, None, :].expand(-1, -1, t1 - t0, -1)  # [B, H, T, U]
-        pu = p.gather(-1, cu)  # 0 where the key is after the query
-        off = (rows - cu).clamp_min(0).flatten(2)
-        for acc, od, ic in zip(overlap, on_diags, in_col):
-            both = od.gather(-1, off).view_as(pu) & ic[:, :, None, :]
-            acc += (pu * both).sum((-1, -2))
-    out = []
-    for oc, od, ov in zip(on_cols, on_diags, overlap):
-        out.append((col_mass * oc).sum(-1) + (diag_mass * od).sum(-1) - ov)
-    return out
 
 
 @dataclass
@@ -326,14 +257,20 @@ def settings_from(ocfg) -> Settings:
         raise UserError(f"observations.top_fraction must be in (0, 1], got {ocfg.top_fraction}")
     selectors, knobs = {}, {}
     for name in ocfg.methods:
+        if name == CEILING:
+            raise UserError(
+                f"observations.methods: {name!r} is drawn anyway (the pooled ceiling curve); "
+                "leave it out"
+            )
         try:
             cls = methods.method_class(name)
             fields = {"block_size": bs} if "block_size" in methods.field_names(name) else {}
             sel = methods.build(name, **fields)
         except ValueError as e:
             raise UserError(f"observations.methods: {e}") from None
-        if name == "xattn" and bs % sel.stride:
-            raise UserError(f"observations.block_size {bs} must be a multiple of xattn's stride")
+        stride = getattr(sel, "stride", None)  # an antidiagonal estimate's stride
+        if stride and bs % stride:
+            raise UserError(f"observations.block_size {bs} must be a multiple of {name}'s stride")
         selectors[name] = sel
         knobs[name] = [None] if cls.knob is None else knob_values(sel, int(ocfg.knob_points))
     heads = None if ocfg.heads is None else [int(h) for h in ocfg.heads]
@@ -410,7 +347,7 @@ def prompt_record(results: dict, key: dict, seconds: float) -> dict:
         "layers": layers,
         "heads": len(units[0].masses),
         "curves": curves,
-        "oracle": oracle.tolist(),
+        CEILING: oracle.tolist(),
         "top": [ints(u.top) for u in units],
         "candidates": [ints(u.candidates) for u in units],
         "under": {s: [ints(u.under[s]) for u in units] for s in SCORERS},
@@ -438,9 +375,9 @@ def aggregate(records: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataF
                     "coverage": float(np.mean([c["coverage"][v] for c in cs])),
                 }
             )
-    oracle = pool_curves([np.asarray(r["oracle"]) for r in records], ORACLE_GRID)
+    oracle = pool_curves([np.asarray(r[CEILING]) for r in records], ORACLE_GRID)
     rows += [
-        {"method": "oracle", "knob": None, "density": x, "coverage": y}
+        {"method": CEILING, "knob": None, "density": x, "coverage": y}
         for x, y in zip(ORACLE_GRID, oracle)
     ]
     coverage = pd.DataFrame(rows)
@@ -492,19 +429,6 @@ def aggregate(records: list[dict]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataF
 
 # ------------------------------------------------------------------------------------- figure
 
-METHOD_STYLE = {  # colour, marker; RBS strongest, the centroid family grouped in blues
-    "rbs": ("#d62728", "o"),
-    "centroid": ("#1f77b4", "s"),
-    "flashprefill": ("#6baed6", "v"),
-    "full_l2": ("#9467bd", "D"),
-    "quest": ("#8c564b", "^"),
-    "xattn": ("#ff7f0e", "P"),
-    "flexprefill": ("#e377c2", "X"),
-    "minference": ("#7f7f7f", "*"),
-    "dense": ("#000000", "."),
-}
-SCORER_COLOURS = {"centroid": "#1f77b4", "rbs": "#d62728", "full_l2": "#9467bd", "quest": "#8c564b"}
-
 
 def caption(top_fraction: float = 0.05) -> str:
     pct = f"{100 * top_fraction:g}%"
@@ -536,21 +460,22 @@ def plot(coverage: pd.DataFrame, under: pd.DataFrame, share: pd.DataFrame, path:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.6), dpi=130)
     ax = axes[0]
-    oracle = coverage[coverage["method"] == "oracle"]
-    for name, grp in coverage[coverage["method"] != "oracle"].groupby("method", sort=False):
-        colour, marker = METHOD_STYLE.get(name, (None, "o"))
+    oracle = coverage[coverage["method"] == CEILING]
+    for name, grp in coverage[coverage["method"] != CEILING].groupby("method", sort=False):
+        info = methods.info(name)
+        colour, marker = info.style
         grp = grp.sort_values("density")
         ax.plot(
             100 * grp["density"],
             100 * grp["coverage"],
-            ls=":" if name == "flashprefill" else "-",  # the centroid rule: its curve is centroid's
-            mfc="none" if name == "flashprefill" else colour,
+            ls=":" if info.overlay else "-",
+            mfc="none" if info.overlay else colour,
             marker=marker,
-            ms=6 if name == "rbs" else 4.5,
-            lw=2.2 if name == "rbs" else 1.3,
+            ms=6 if info.headline else 4.5,
+            lw=2.2 if info.headline else 1.3,
             color=colour,
             label=name,
-            zorder=3 if name == "rbs" else 2,
+            zorder=3 if info.headline else 2,
         )
     ax.plot(
         100 * oracle["density"],
@@ -558,7 +483,7 @@ def plot(coverage: pd.DataFrame, under: pd.DataFrame, share: pd.DataFrame, path:
         "--",
         color="#2ca02c",
         lw=1.8,
-        label="oracle",
+        label=CEILING,
     )
     ax.set_xlabel("selected-block ratio (%)")
     ax.set_ylabel("attention-mass coverage (%)")
@@ -579,7 +504,7 @@ def plot(coverage: pd.DataFrame, under: pd.DataFrame, share: pd.DataFrame, path:
         bars = ax.bar(
             pos, np.nan_to_num(vals), width, color=SCORER_COLOURS[s], label=SCORER_LABELS[s]
         )
-        if s in ("centroid", "rbs"):
+        if s in LABELLED:
             labels = ["" if c == 0 else f"{v:.0f}" for v, c in zip(vals, counts)]
             ax.bar_label(bars, labels=labels, fontsize=7, padding=1)
     top = max(10.0, 100 * np.nanmax(np.append(u["share"].to_numpy(dtype=float), 0)))

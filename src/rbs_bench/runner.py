@@ -334,7 +334,7 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
         print(f"{label}: all {len(work)} samples already recorded")
         write_settings(store, settings)  # (re)builds a missing cell.json from the checked records
         return store.path
-    recorder = install(loaded.model, selector, executor)
+    recorder = install(loaded.model, selector, executor, recall=bool(cfg.get("recall")))
     eos = _eos_ids(loaded.model, loaded.tokenizer)
     bar = tqdm(pending, desc=label, unit="sample", disable=not cfg.progress, dynamic_ncols=True)
     warmed = set()
@@ -456,6 +456,11 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
         "prompt_sha1": _prompt_sha1(sample),
         "density": stats["density_mean"],
         "density_layers_heads": stats["density_layers_heads"],
+        **(
+            {"recall": stats["recall_mean"], "recall_layers": stats["recall_layers"]}
+            if "recall_mean" in stats
+            else {}
+        ),
         "prediction": pred,
         "references": list(sample.references),
         "meta": dict(getattr(sample, "meta", None) or {}),  # e.g. a benchmark's categories

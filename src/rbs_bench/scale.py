@@ -47,9 +47,9 @@ def gpu_slug(name: str) -> str:
 
 
 def _display(method: str) -> str:
-    from rbs_bench.tables import DISPLAY
+    from rbs_bench import methods
 
-    return DISPLAY.get(method, method)
+    return methods.display(method)
 
 
 def _estimate_gib(model: str, context: int, batch: int = 1, layers: int | None = None):

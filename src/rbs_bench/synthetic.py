@@ -198,12 +198,12 @@ def main() -> None:
 
     data = generate(seq_len=8192, seed=0)
     print(f"q {tuple(data.q.shape)}  k {tuple(data.k.shape)}  {len(data.needles)} needles")
-    for name in ("centroid", "full_l2", "rbs"):
+    for name in methods.compared():
         sel = methods.build(name).select(data.q, data.k)
         mask = sel.mask()
         g = data.q.shape[1] // data.k.shape[1]
         kept = [bool(mask[b, h * g, qb, t // 128]) for b, h, t, qb in data.needles.tolist()]
-        print(f"{name:9s} density {sel.density():.3f}  needle blocks kept {sum(kept)}/{len(kept)}")
+        print(f"{name:12s} density {sel.density():.3f}  needle blocks kept {sum(kept)}/{len(kept)}")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import math
 import re
@@ -43,40 +44,19 @@ from pathlib import Path
 
 import pandas as pd
 
+from rbs_bench import methods
 from rbs_bench.config import UserError
 from rbs_bench.records import write_atomic
 from rbs_bench.report import CELL, NOISE_HALF_WIDTH, load_records, summarize, wilson
 
 PAPER_COLUMNS = ["table", "caption_short", "row", "column", "value", "unit", "tex_line", "bold"]
 
-# Our method names, in table order, and the paper's names for them.
-METHOD_ORDER = [
-    "dense",
-    "flashprefill",
-    "xattn",
-    "flexprefill",
-    "minference",
-    "quest",
-    "centroid",
-    "full_l2",
-    "rbs",
-]
-DISPLAY = {
-    "dense": "Dense",
-    "flashprefill": "FlashPrefill",
-    "xattn": "XAttn",
-    "flexprefill": "FlexPrefill",
-    "minference": "MInference",
-    "quest": "Quest-style",
-    "centroid": "Centroid-only",
-    "full_l2": "Full-L2",
-    "rbs": "RBS-Attention",
-}
+# A method's name in tables and its position come from its selector class (`MethodInfo`).
+display = methods.display
 MISSING = "–"
 
 
-def method_order(m: str) -> tuple:
-    return (METHOD_ORDER.index(m) if m in METHOD_ORDER else len(METHOD_ORDER), m)
+method_order = methods.order_key
 
 
 # ------------------------------------------------------------------------------------------------
@@ -478,16 +458,22 @@ def cell_means(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     """Score and density per `keys`, averaged as report.summarize does: first per task x context
     length group, then over the groups (for keys == CELL this is summarize's overall table)."""
     groups = keys + [k for k in ("task", "context_length") if k not in keys]
+    recall = {"recall": ("recall", "mean")} if "recall" in df else {}  # runs with recall=true
     by_group = (
         df.groupby(groups, sort=False)
-        .agg(n=("score", "size"), score=("score", "mean"), density=("density", "mean"))
+        .agg(n=("score", "size"), score=("score", "mean"), density=("density", "mean"), **recall)
         .reset_index()
     )
     return (
         by_group.groupby(keys, sort=False)
-        .agg(n=("n", "sum"), score=("score", "mean"), density=("density", "mean"))
+        .agg(n=("n", "sum"), score=("score", "mean"), density=("density", "mean"), **recall)
         .reset_index()
     )
+
+
+def has_recall(df: pd.DataFrame) -> bool:
+    """Whether any record holds an attention recall (runs with recall=true)."""
+    return "recall" in df and bool(df["recall"].notna().any())
 
 
 def score_mean(df: pd.DataFrame) -> float:
@@ -593,6 +579,13 @@ def noise_footnote(widest: float, ns: Iterable[int]) -> list[str]:
     ]
 
 
+RECALL = Metric("recall", "recall", 100.0)
+RECALL_NOTE = (
+    "Recall: the share of the dense causal attention mass on the kept (query, key) pairs, mean "
+    "over layers, heads and samples (– where a run did not record it)."
+)
+
+
 @dataclass(frozen=True)
 class Axis:
     field: str  # record column the axis groups on (after the spec's derive)
@@ -628,7 +621,7 @@ class GridSpec:
     cols: Axis
     metrics: tuple[Metric, ...]
     split: tuple[str, ...] = ()
-    reference: str | None = "dense"
+    reference: str | None = methods.DENSE
     bold: str | None = None
     bold_by: str = "row"
     bold_skip: tuple = ()
@@ -638,15 +631,24 @@ class GridSpec:
     paper: PaperLink | None = None
     derive: Callable[[pd.DataFrame], pd.DataFrame] = lambda df: df
     notes: tuple[str, ...] = ()
+    recall: bool = False  # add the recall metric when the records hold one
 
     def build(self, df: pd.DataFrame, experiment: str, model: str, pv: PaperValues) -> list[Table]:
         df = self.derive(df.assign(model=df["model"] if "model" in df else model))
-        if not self.split:
-            return [self._table(df, experiment, model, {}, pv)]
+        spec = self
+        if self.recall and has_recall(df):
+            spec = dataclasses.replace(
+                self,
+                title=self.title.replace("density / accuracy", "density / accuracy / recall"),
+                metrics=(*self.metrics, RECALL),
+                notes=(*self.notes, RECALL_NOTE),
+            )
+        if not spec.split:
+            return [spec._table(df, experiment, model, {}, pv)]
         tables = []
-        for values, sub in df.groupby(list(self.split), sort=True):
-            where = dict(zip(self.split, values))
-            tables.append(self._table(sub, experiment, model, where, pv))
+        for values, sub in df.groupby(list(spec.split), sort=True):
+            where = dict(zip(spec.split, values))
+            tables.append(spec._table(sub, experiment, model, where, pv))
         return tables
 
     def _paper_applies(self, df: pd.DataFrame) -> bool:
@@ -737,12 +739,15 @@ class GridSpec:
         entries = []  # (row key, col key, cell, index of the metric in the cell)
         for rk, col_keys, metrics, cells in rows:
             names = [mt.name for mt in metrics]
-            if self.bold not in names or rk in (self.total_row,) or rk in self.bold_skip:
+            skip = rk in (self.total_row,) or rk in self.bold_skip or _reference_method(rk)
+            if self.bold not in names or skip:
                 continue
             i = names.index(self.bold)
             for ck, c in zip(col_keys, cells[1:]):
                 has = len(c.ours) > i and c.ours[i] != MISSING
                 if has and ck != self.total_col and ck not in self.bold_skip:
+                    if _reference_method(ck):
+                        continue
                     entries.append((rk, ck, c, i))
         by = 0 if self.bold_by == "row" else 1
         for key in {e[by] for e in entries}:
@@ -763,7 +768,7 @@ class GridSpec:
                 got = [pv.get(paper.table, *paper.reference(mt.name)) for mt in self.metrics]
                 cell.paper = tuple(v or MISSING for v in got) if any(got) else None
             names = " / ".join(mt.name for mt in self.metrics)
-            who = DISPLAY.get(self.reference, self.reference)
+            who = display(self.reference)
             lines.append(
                 f"{who} (budget {budget}, n={int(m['n'])}): {names} = {cell.render(str, str)}."
             )
@@ -820,7 +825,7 @@ class RowSpec:
     paper: PaperLink | None = None
     paper_row: Callable[[tuple, str], str] | None = None  # (row key, model) -> the paper's row
     derive: Callable[[pd.DataFrame], pd.DataFrame] = lambda df: df
-    reference: str | None = "dense"  # method never bolded
+    reference: str | None = methods.DENSE  # method never bolded
     split: tuple[str, ...] = ("context_length",)
     notes: tuple[str, ...] = ()
     sample_note: bool = True
@@ -885,6 +890,7 @@ class RowSpec:
                 cells[nkeys + j]
                 for key, sub, cells in rows
                 if not ("method" in sub and (sub["method"] == self.reference).all())
+                and not ("method" in sub and sub["method"].map(_reference_method).all())
                 and cells[nkeys + j].ours[0] != MISSING
             ]
             if not cand:
@@ -1003,8 +1009,20 @@ def _tasks_score(prefix: str) -> Callable[[pd.DataFrame], float]:
     return lambda df: score_mean(df[df["task"].str.startswith(prefix)])
 
 
-def _method_label(names: dict) -> Callable[[tuple], tuple[str, ...]]:
-    return lambda key: (names.get(key[0], DISPLAY.get(key[0], key[0])), *map(str, key[1:]))
+def _reference_method(key) -> bool:
+    """A key naming a method that is a reference, not a contender (the oracle): never bold."""
+    return isinstance(key, str) and methods.info(key).reference
+
+
+def _method_label(table: str | None = None) -> Callable[[tuple], tuple[str, ...]]:
+    """A row's label: the method's name in the paper table `table` (its display name by default),
+    then the other keys."""
+    return lambda key: (_row_name(key[0], table), *map(str, key[1:]))
+
+
+def _row_name(method: str, table: str | None) -> str:
+    info = methods.info(method)
+    return info.paper_row(table) if table else info.display
 
 
 def _method_key_order(key: tuple) -> tuple:
@@ -1022,14 +1040,14 @@ RULER_SETTING = {"model": "qwen3_30b_a3b_fp8", "context_length": 131072}
 RULER_BUDGET = GridSpec(
     title="RULER budget sweep (measured density / accuracy, %)",
     rows=Axis("target", title="Target", order=_target_order),
-    cols=Axis("method", label=lambda m: DISPLAY.get(m, m), order=method_order),
+    cols=Axis("method", label=display, order=method_order),
     metrics=(Metric("density", "density", 100.0), Metric("accuracy", "score", interval=True)),
     split=("context_length",),
     bold="accuracy",
     paper=PaperLink(
         table="tab:ruler_budget",
         setting=RULER_SETTING,
-        column=lambda m, metric: f"{DISPLAY.get(m, m)}:{metric}",
+        column=lambda m, metric: f"{display(m)}:{metric}",
         reference=lambda metric: ("Dense", f"Dense:{metric}"),
     ),
     derive=_with_target,
@@ -1038,12 +1056,13 @@ RULER_BUDGET = GridSpec(
         "heads and samples; accuracy: mean over tasks. Bold: highest sparse accuracy in the row "
         "(ours). MInference's token-level pattern counts the block pairs it touches.",
     ),
+    recall=True,
 )
 
 # Paper Table 8 (tab:strict_density): rows = methods, columns = density anchors.
 STRICT_DENSITY = GridSpec(
     title="Strict density matching on RULER (measured density / accuracy, %)",
-    rows=Axis("method", title="Method", label=lambda m: DISPLAY.get(m, m), order=method_order),
+    rows=Axis("method", title="Method", label=display, order=method_order),
     cols=Axis("target", label=lambda t: f"{t} anchor", order=_target_order),
     metrics=(
         Metric("density", "density", 100.0, ".3f"),
@@ -1065,12 +1084,13 @@ STRICT_DENSITY = GridSpec(
         "RBS's measured densities of the budget sweep). Bold: highest accuracy at each anchor. "
         + DENSITY_NOTE,
     ),
+    recall=True,
 )
 
 # Paper Table 4 (tab:ruler): accuracy row and density row per method, columns = context lengths.
 RULER_MAIN = GridSpec(
     title="RULER by context length at the default operating points (%)",
-    rows=Axis("method", title="Method", label=lambda m: DISPLAY.get(m, m), order=method_order),
+    rows=Axis("method", title="Method", label=display, order=method_order),
     cols=Axis("context_length", label=context_label, order=int),
     metrics=(
         Metric("accuracy", "score", interval=True),
@@ -1080,7 +1100,7 @@ RULER_MAIN = GridSpec(
     reference=None,
     bold="accuracy",
     bold_by="column",
-    bold_skip=("dense",),
+    bold_skip=(methods.DENSE,),
     metric_rows=True,
     total_col="Overall",
     paper=PaperLink(
@@ -1093,6 +1113,7 @@ RULER_MAIN = GridSpec(
         "density row under each method is its measured density (%). Bold: highest sparse "
         "accuracy per column. " + DENSITY_NOTE,
     ),
+    recall=True,
 )
 
 
@@ -1116,18 +1137,18 @@ INFINITEBENCH = GridSpec(
         label=lambda t: _infinitebench_names().get(t, t),
         order=_infinitebench_order,
     ),
-    cols=Axis("method", label=lambda m: DISPLAY.get(m, m), order=method_order),
+    cols=Axis("method", label=display, order=method_order),
     metrics=(Metric("score", "score", 0.01, ".3f"),),
     split=("context_length",),
     reference=None,
     bold="score",
     bold_by="row",
-    bold_skip=("dense",),
+    bold_skip=(methods.DENSE,),
     total_row="Macro average",
     paper=PaperLink(
         table="tab:InfiniteBench",
         setting={"model": "qwen3_32b", "context_length": 131072},
-        column=lambda m, metric: DISPLAY.get(m, m),
+        column=lambda m, metric: display(m),
     ),
     notes=(
         "Scores: each task's official metric on the unit interval; the last row is the macro "
@@ -1164,14 +1185,12 @@ LONGBENCH_V2 = RowSpec(
         Column("p50", _density("p50"), ".3f", ("Estimated density (%):p50",)),
         Column("p90", _density("p90"), ".3f", ("Estimated density (%):p90",)),
     ),
-    label=_method_label({}),
+    label=_method_label(),
     order=_method_key_order,
     paper=PaperLink(
         "tab:longbench_dual", {"model": tuple(LONGBENCH_PANELS), "context_length": 131072}
     ),
-    paper_row=lambda key, model: (
-        f"{LONGBENCH_PANELS.get(model, model)}:{DISPLAY.get(key[0], key[0])}"
-    ),
+    paper_row=lambda key, model: f"{LONGBENCH_PANELS.get(model, model)}:{display(key[0])}",
     notes=(
         "Accuracy by the question's length class and over all questions. Density: mean, p50 and "
         "p90 over the samples of the run itself (the paper estimates them on a separate "
@@ -1193,10 +1212,10 @@ VIDEOMME = RowSpec(
         Column("Total", lambda df: df["score"].mean(), ".2f", ("Total",), best=True),
         Column("Density (%)", _density("mean"), ".3f"),
     ),
-    label=_method_label({}),
+    label=_method_label(),
     order=_method_key_order,
     paper=PaperLink("tab:videomme", {"model": "qwen3_vl_30b_a3b_thinking_fp8"}),
-    paper_row=lambda key, model: DISPLAY.get(key[0], key[0]),
+    paper_row=lambda key, model: display(key[0]),
     notes=(
         "Accuracy over all questions of each duration (an answer that cannot be extracted counts "
         "as wrong). Density (ours only): over text and video tokens. Bold: best sparse accuracy "
@@ -1204,17 +1223,13 @@ VIDEOMME = RowSpec(
     ),
 )
 
-ABLATION_NAMES = {
-    "centroid": "Centroid-only",
-    "full_l2": "Full-L2 bound",
-    "quest": "Quest-style",
-    "rbs": "RBS adaptive union",
-}
+ABLATION_TABLE = "tab:selector_ablation"
 
 
 def _ablation_order(key: tuple) -> tuple:
-    names = list(ABLATION_NAMES)
-    return (names.index(key[0]) if key[0] in names else len(names), key[0])
+    """The selectors the paper compares (a row name of their own there) first, then the rest;
+    each group by method name."""
+    return (ABLATION_TABLE not in methods.info(key[0]).paper_rows, key[0])
 
 
 # Paper Table 7 (tab:selector_ablation): density, accuracy and its bootstrap CI per selector.
@@ -1227,10 +1242,10 @@ SELECTOR_ABLATION = RowSpec(
         Column("Accuracy", score_mean, ".2f", ("Accuracy",), best=True),
         Column("95% CI", bootstrap_ci, ".2f", ("95% CI:low", "95% CI:high"), "[{}, {}]"),
     ),
-    label=_method_label(ABLATION_NAMES),
+    label=_method_label(ABLATION_TABLE),
     order=_ablation_order,
-    paper=PaperLink("tab:selector_ablation", RULER_SETTING),
-    paper_row=lambda key, model: ABLATION_NAMES.get(key[0], key[0]),
+    paper=PaperLink(ABLATION_TABLE, RULER_SETTING),
+    paper_row=lambda key, model: _row_name(key[0], ABLATION_TABLE),
     derive=_with_target,
     split=("context_length", "target"),
     notes=(
@@ -1257,10 +1272,10 @@ SELECTOR_BREAKDOWN = RowSpec(
             best=True,
         ),
     ),
-    label=_method_label(ABLATION_NAMES),
+    label=_method_label("tab:selector_breakdown"),
     order=_ablation_order,
     paper=PaperLink("tab:selector_breakdown", RULER_SETTING),
-    paper_row=lambda key, model: ABLATION_NAMES.get(key[0], key[0]),
+    paper_row=lambda key, model: _row_name(key[0], "tab:selector_breakdown"),
     derive=_with_target,
     split=("context_length", "target"),
     notes=(
@@ -1269,15 +1284,13 @@ SELECTOR_BREAKDOWN = RowSpec(
     ),
 )
 
-BLOCK_NAMES = {"centroid": "Centroid-only", "rbs": "RBS union"}
-KNOB_FIELD = {"rbs": "alpha_base"}  # the threshold shown for a method (default: its knob field)
+BLOCK_TABLE = "tab:block_sensitivity"
 
 
 def _threshold(df: pd.DataFrame) -> float | None:
-    from rbs_bench import methods
-
+    """The calibrated threshold of the rows' method (its `info.threshold_field`, else its knob)."""
     name = df["method"].iloc[0]
-    f = KNOB_FIELD.get(name) or methods.method_class(name).knob
+    f = methods.info(name).threshold_field or methods.method_class(name).knob
     vals = df["method_fields"].map(lambda d: d.get(f) if isinstance(d, dict) else None)
     vals = vals.dropna().unique()
     return float(vals[0]) if len(vals) == 1 else None
@@ -1293,10 +1306,10 @@ BLOCK_SIZE = RowSpec(
         Column("Actual density (%)", _density("mean"), ".3f", ("Actual density",)),
         Column("Accuracy (%)", score_mean, ".2f", ("Accuracy",)),
     ),
-    label=_method_label(BLOCK_NAMES),
+    label=_method_label(BLOCK_TABLE),
     order=_method_key_order,
-    paper=PaperLink("tab:block_sensitivity", RULER_SETTING),
-    paper_row=lambda key, model: f"{BLOCK_NAMES.get(key[0], key[0])}:{key[1]}",
+    paper=PaperLink(BLOCK_TABLE, RULER_SETTING),
+    paper_row=lambda key, model: f"{_row_name(key[0], BLOCK_TABLE)}:{key[1]}",
     derive=lambda df: _with_target(_field("block_size")(df)),
     split=("context_length", "target"),
     notes=(
@@ -1382,13 +1395,13 @@ CALIBRATION_COST = RowSpec(
         Column("Prompts", lambda df: float(df["prompts"].max()), ".0f"),
         Column("Forwards", lambda df: float(df["forwards"].sum()), ".0f"),
     ),
-    label=_method_label({}),
+    label=_method_label(),
     order=_method_key_order,
     paper=PaperLink(
         "tab:calibration",
         {"model": "qwen3_30b_a3b_fp8", "context_length": 131072, "prompts": 50},
     ),
-    paper_row=lambda key, model: DISPLAY.get(key[0], key[0]),
+    paper_row=lambda key, model: display(key[0]),
     reference=None,
     sample_note=False,
     notes=(

@@ -218,3 +218,22 @@ def test_install_is_per_model():
 def test_unknown_executor_fails_at_install():
     with pytest.raises(ValueError, match="executor"):
         install(make_model("qwen3"), KeepAll(), executor="nope")
+
+
+def test_recorder_recall_per_layer_only_when_asked():
+    model = make_model("qwen3")
+    sel = build("quest", ratio=0.2, block_size=32, sink_blocks=1, window_blocks=1)
+    rec = install(model, sel, executor="reference")
+    logits(model, random_ids(600))
+    assert "recall_mean" not in rec.summary()
+    uninstall(model)
+    rec = install(model, sel, executor="reference", recall=True)
+    logits(model, random_ids(600))
+    s = rec.summary()
+    assert len(s["recall_layers"]) == s["num_layers"] == 2
+    assert all(0 < r < 1 for r in s["recall_layers"])  # a sparse selection loses some mass
+    assert s["recall_mean"] == pytest.approx(sum(s["recall_layers"]) / 2, abs=1e-5)
+    uninstall(model)
+    rec = install(model, build("dense"), recall=True)
+    logits(model, random_ids(600))
+    assert rec.summary()["recall_layers"] == [1.0, 1.0]

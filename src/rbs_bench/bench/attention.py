@@ -439,15 +439,17 @@ def retune_attention() -> None:
 # ------------------------------------------------------------------------------ the goal rows
 
 
-def goal_rows(df, method: str = "rbs", target: float = 0.05, executor: str = "triton"):
+def goal_rows(df, method: str | None = None, target: float = 0.05, executor: str = "triton"):
     """The rows the goals speak of, one per (inputs, n), with each goal's verdict: speedups at
     128K, sparse attention's share of cuDNN's TFLOP/s at 128K and at 32K-64K, the selector's time
-    at 128K and its share of the total at 64K-256K.
+    at 128K and its share of the total at 64K-256K. `method` None: the method under study
+    (`methods.headline()`).
 
     `met` lists the goals a row meets, `missed` those it misses, each as name=value/bound.
     """
     import pandas as pd
 
+    method = method or methods.headline()
     sub = df[
         (df["method"] == method)
         & ((df["target"] - target).abs() < 1e-9)
@@ -567,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--methods",
         nargs="+",
-        default=["rbs"],
+        default=[methods.headline()],
         help="registered methods to calibrate and time (the plot and goal rows show the first)",
     )
     ap.add_argument(

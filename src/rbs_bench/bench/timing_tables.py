@@ -27,16 +27,18 @@ from pathlib import Path
 
 import pandas as pd
 
+from rbs_bench import methods
 from rbs_bench.config import UserError
+from rbs_bench.methods import DENSE
 from rbs_bench.models.rehearsal import full_depth
 from rbs_bench.records import write_atomic
 from rbs_bench.tables import (
-    DISPLAY,
     MISSING,
     Cell,
     PaperValues,
     Table,
     context_label,
+    display,
     method_order,
     to_latex,
     to_markdown,
@@ -121,7 +123,7 @@ def _flag(text: str, reached: bool) -> str:
 
 
 def _sparse(df: pd.DataFrame) -> list[str]:
-    return sorted((m for m in df["method"].unique() if m != "dense"), key=method_order)
+    return sorted((m for m in df["method"].unique() if m != DENSE), key=method_order)
 
 
 def _all(df: pd.DataFrame) -> list[str]:
@@ -130,7 +132,7 @@ def _all(df: pd.DataFrame) -> list[str]:
 
 def _setting(df: pd.DataFrame) -> list[str]:
     r = df.iloc[-1]
-    sparse = df[df["method"] != "dense"]
+    sparse = df[df["method"] != DENSE]
     executor = sparse["executor"].iloc[-1] if len(sparse) else MISSING
     triton = r.get("triton")
     return [
@@ -139,7 +141,7 @@ def _setting(df: pd.DataFrame) -> list[str]:
         f"{r['transformers']}; sparse executor {executor}, dense SDPA backend {r['sdpa_backend']}.",
         f"Times: {_repeats(int(r['repeats']))} after {int(r['warmup'])} warm-up{_runs(df)}; "
         "each method's knob is calibrated on the prompt's captured dense prefill to "
-        f"{_pct(df.loc[df['method'] != 'dense', 'target'])} measured density (kept causal "
+        f"{_pct(df.loc[df['method'] != DENSE, 'target'])} measured density (kept causal "
         f"128-token block pairs, mean over layers and heads). {FLAG} the target is not reachable "
         "(the forced blocks alone exceed it at this length): the closest density is used.",
     ]
@@ -185,7 +187,7 @@ def speed_tables(df: pd.DataFrame, csv: Path, standalone: pd.DataFrame, pv: Pape
     paper = _is_h100(df)
     rows = []
     for m in _sparse(one):
-        cells = [Cell((DISPLAY.get(m, m),))]
+        cells = [Cell((display(m),))]
         for n in ns:
             r, a = at.get((m, n)), alone.get((m, n))
             ours = (
@@ -197,7 +199,7 @@ def speed_tables(df: pd.DataFrame, csv: Path, standalone: pd.DataFrame, pv: Pape
                 ours = (*ours[:2], _flag(ours[2], r["reached"]))
             theirs = None
             if paper and n == PAPER_CONTEXT:
-                col = DISPLAY.get(m, m)
+                col = display(m)
                 got = [
                     pv.get(PAPER_SPEED, f"{p}:128K", col)
                     for p in ("standalone", "vllm_attention", "vllm_ttft")
@@ -253,7 +255,7 @@ def _method_rows(methods, ns, at: dict, cell) -> list[list[Cell]]:
     it has none and the status in capitals where it did not run (e.g. OOM)."""
     rows = []
     for m in methods:
-        cells = [Cell((DISPLAY.get(m, m),))]
+        cells = [Cell((display(m),))]
         for n in ns:
             r = at.get((m, n))
             if r is None:
@@ -292,7 +294,7 @@ def _unlike_paper(df: pd.DataFrame) -> str:
 
 
 def _dense_line(one: pd.DataFrame, ns) -> str:
-    d = one[one["method"] == "dense"].set_index("n")
+    d = one[one["method"] == DENSE].set_index("n")
     parts = [
         f"{context_label(n)} {_num(d.loc[n, 'ttft_ms'], ',.1f')} / "
         f"{_num(d.loc[n, 'attention_ms'], ',.1f')}"
@@ -329,12 +331,11 @@ def memory_tables(df: pd.DataFrame, csv: Path, pv: PaperValues):
         theirs = [None, None]
         if paper:
             theirs = [
-                pv.get("tab:metadata", DISPLAY.get(m, m), c)
-                for c in ("MiB/layer", "Workspace (MiB)")
+                pv.get("tab:metadata", display(m), c) for c in ("MiB/layer", "Workspace (MiB)")
             ]
         rows.append(
             [
-                Cell((DISPLAY.get(m, m),)),
+                Cell((display(m),)),
                 Cell((str(r.get("block_stats")) if has else "none kept",)),
                 Cell((ours_stats,), paper=(theirs[0],) if theirs[0] else None),
                 Cell(
@@ -414,7 +415,7 @@ def throughput_tables(df: pd.DataFrame, csv: Path):
     tag = _tag(csv)
     dense_rows = []
     for n, b in keys:
-        r = at.get(("dense", n, b))
+        r = at.get((DENSE, n, b))
         label = [Cell((context_label(n),)), Cell((str(b),))]
         if r is None or r["status"] != "ok":
             what = MISSING if r is None else str(r["status"]).upper()
@@ -452,7 +453,7 @@ def throughput_tables(df: pd.DataFrame, csv: Path):
     names = _sparse(df)
     gain_rows = []
     for n, b in keys:
-        d = at.get(("dense", n, b))
+        d = at.get((DENSE, n, b))
         cells = [Cell((context_label(n),)), Cell((str(b),))]
         for m in names:
             r = at.get((m, n, b))
@@ -469,7 +470,7 @@ def throughput_tables(df: pd.DataFrame, csv: Path):
         title="Prompt throughput over dense (method tokens/s / dense tokens/s, same context and "
         "batch)",
         label=f"tab:ours_throughput_gain_{tag}",
-        header=["Context", "Batch"] + [DISPLAY.get(m, m) for m in names],
+        header=["Context", "Batch"] + [display(m) for m in names],
         rows=gain_rows,
         sources=_sources(df, csv),
         keys=2,
@@ -482,7 +483,7 @@ def throughput_tables(df: pd.DataFrame, csv: Path):
 
 
 def selector_time_tables(df: pd.DataFrame, csv: Path):
-    one = df[(df["batch"] == 1) & (df["status"] == "ok") & (df["method"] != "dense")]
+    one = df[(df["batch"] == 1) & (df["status"] == "ok") & (df["method"] != DENSE)]
     ns = sorted(one["n"].unique())
     at = {(r["method"], r["n"]): r for _, r in one.iterrows()}
     rows = _method_rows(
@@ -529,7 +530,7 @@ def plot_speedup(df: pd.DataFrame, standalone: pd.DataFrame | None, path: Path) 
     one = one.assign(reached=one["target_reached"].map(as_bool))
     standalone = standalone if standalone is not None else pd.DataFrame()
     cmap = plt.get_cmap("tab10")
-    color = {m: cmap(i % 10) for i, m in enumerate(sorted(DISPLAY, key=method_order))}
+    color = {m: cmap(i % 10) for i, m in enumerate(methods.in_order(methods.registry()))}
     fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.0), dpi=120)
     panels = [
         ("(a) standalone attention", standalone, "speedup"),
@@ -544,7 +545,7 @@ def plot_speedup(df: pd.DataFrame, standalone: pd.DataFrame | None, path: Path) 
                 continue
             c = color.get(m, "black")
             x = sub["n"] / 1024
-            ax.plot(x, sub[col], color=c, label=DISPLAY.get(m, m), lw=1.4)
+            ax.plot(x, sub[col], color=c, label=display(m), lw=1.4)
             reached = sub["reached"] if "reached" in sub else pd.Series(True, index=sub.index)
             ax.scatter(x[reached], sub[col][reached], color=c, s=22, zorder=3)
             ax.scatter(
@@ -605,7 +606,7 @@ def setting_groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     with its dense rows; a file-name suffix for each ("" when the CSV holds a single setting)."""
     groups = []
     for (model, layers, dtype), g in df.groupby(["model", "layers", "dtype"], sort=False):
-        dense, sparse = g[g["method"] == "dense"], g[g["method"] != "dense"]
+        dense, sparse = g[g["method"] == DENSE], g[g["method"] != DENSE]
         for t in sorted(sparse["target"].unique()) or [None]:
             part = dense if t is None else pd.concat([dense, sparse[sparse["target"] == t]])
             groups.append(((model, int(layers), dtype, t), part))
@@ -639,7 +640,7 @@ def build_tables(
 def _write_experiment(experiment, df, csv, tag, suffix, pv, out_dir: Path) -> list[Path]:
     extra = None
     if experiment == "speed":
-        target = df.loc[df["method"] != "dense", "target"].max()
+        target = df.loc[df["method"] != DENSE, "target"].max()
         extra = standalone_rows(csv.parent, tag, 0.05 if pd.isna(target) else float(target))
         tables = speed_tables(df, csv, extra, pv)
     elif experiment == "memory":

@@ -99,8 +99,6 @@ _PROBE = "_rbs_timing_probe"  # attribute on each attention module
 MODELS = ("tiny", "qwen3_30b_a3b", "qwen3_32b")
 SDPA_BACKENDS = ("default", "flash", "cudnn", "efficient", "math")
 CALIBRATION_TOL = 0.002  # absolute density error at which the knob search stops
-# The paper's prompt-throughput table compares these methods at batch 1 and 4.
-THROUGHPUT_METHODS = ["dense", "flashprefill", "minference", "rbs", "xattn", "flexprefill", "quest"]
 # Qwen3-32B reaches 128K through YaRN (conf/model/qwen3_32b.yaml); the MoE natively.
 ARCH_OVERRIDES = {
     "qwen3_32b": {
@@ -531,36 +529,16 @@ def selector_memory(selector, q: Tensor, k: Tensor) -> tuple[float, float]:
 
 
 def block_statistics(selector, k: Tensor) -> list[tuple[str, Tensor]] | None:
-    """The per-key-block summaries the method's rule reads for one layer's keys k [B, Hkv, N, D],
-    built as its implementation builds them on k's device; None for a method whose estimate keeps
-    no per-block key summary (xattn's strided sums, minference's last-query attention)."""
-    from rbs_bench.baselines.flexprefill import block_means
-    from rbs_bench.baselines.quest import box_stats_ref
-    from rbs_bench.kernels.block_stats import (
-        block_stats,
-        block_stats_ref,
-        rescue_beta,
-        rescue_beta_ref,
-    )
-    from rbs_bench.kernels.quest_select import box_stats
-    from rbs_bench.kernels.triton_util import triton_available
+    """The per-key-block summaries the method's rule reads for one layer's keys k [B, Hkv, N, D]
+    (the selector's own `block_statistics`); None for a method whose estimate keeps no per-block
+    key summary (e.g. strided sums or the last queries' attention)."""
+    own = getattr(selector, "block_statistics", None)
+    return own(k) if own is not None else None
 
-    name, bs = selector.name, getattr(selector, "block_size", 128)
-    fast = k.is_cuda and triton_available() and getattr(selector, "impl", "torch") != "torch"
-    if name in ("centroid", "flashprefill", "full_l2", "rbs"):
-        centroid, radius = (block_stats if fast else block_stats_ref)(k, bs)
-        parts = [("centroid", centroid)]
-        if name in ("full_l2", "rbs"):
-            parts.append(("radius", radius))
-        if name == "rbs":
-            parts.append(("beta", (rescue_beta if fast else rescue_beta_ref)(radius)))
-        return parts
-    if name == "quest":
-        kmin, kmax = (box_stats if fast else box_stats_ref)(k, bs)
-        return [("min", kmin), ("max", kmax)]
-    if name == "flexprefill":
-        return [("mean-pooled key", block_means(k, bs))]
-    return None
+
+def throughput_methods() -> list[str]:
+    """The methods the prompt-throughput table compares at batch > 1 (MethodInfo.throughput)."""
+    return [m for m in methods.in_order(methods.registry()) if methods.info(m).throughput]
 
 
 def describe_stats(parts: list[tuple[str, Tensor]]) -> str:
@@ -681,7 +659,7 @@ def _release(device: torch.device) -> None:
 
 def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, cal: Calibrated | None) -> dict:
     """Warm-up and timed requests of one method on ids [B, N]; the row's measured columns."""
-    selector = None if name == "dense" else methods.build(name, **cal.fields)
+    selector = None if name == methods.DENSE else methods.build(name, **cal.fields)
     recorder = None
     if selector is not None:
         recorder = install(lm.model, TimedSelector(selector, lm.probe), s.executor)
@@ -759,7 +737,7 @@ def row_key(r: dict) -> tuple:
 def plan(s: Settings) -> list[tuple[int, int, str]]:
     """(batch, N, method) in run order: every batch-1 row first (largest N first, dense first in
     each N), then the larger batches."""
-    order = lambda names: sorted(names, key=lambda m: (m != "dense", s.methods.index(m)))
+    order = lambda names: sorted(names, key=lambda m: (m != methods.DENSE, s.methods.index(m)))
     out = []
     for b in s.batches:
         ns, names = (s.contexts, s.methods) if b == 1 else (s.batch_contexts, s.batch_methods)
@@ -777,7 +755,7 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     df["ffn_chunk_tokens"] = chunk.fillna(0).astype(int)
     keys = ["model", "layers", "dtype", "batch", "n", "ffn_chunk_tokens"]
     ok = df["status"] == "ok"
-    dense = df[ok & (df["method"] == "dense")].drop_duplicates(keys, keep="last")
+    dense = df[ok & (df["method"] == methods.DENSE)].drop_duplicates(keys, keep="last")
     dense = dense[keys + ["ttft_ms", "attention_ms"]].rename(
         columns={"ttft_ms": "_dense_ttft", "attention_ms": "_dense_attn"}
     )
@@ -827,7 +805,7 @@ def _known(rows: list[dict], s: Settings, lm: Loaded) -> dict[tuple[int, str], C
     out = {}
     for r in sorted(rows, key=lambda r: -int(r["batch"])):  # batch 1 last: it wins
         if (
-            r["method"] == "dense"
+            r["method"] == methods.DENSE
             or r["model"] != s.model
             or int(r["layers"]) != s.layers
             or r["dtype"] != lm.dtype
@@ -888,9 +866,11 @@ def run(s: Settings) -> pd.DataFrame:
         if n not in prompt_cache:
             prompt_cache = {n: prompts(s, n, lm.vocab)}  # one context at a time
         ids = prompt_cache[n][:b]
-        if name != "dense" and (n, name) not in tried:
+        if name != methods.DENSE and (n, name) not in tried:
             # one capture calibrates every method still pending at this N
-            names = [m for _, nn, m in pending if nn == n and m != "dense" and (n, m) not in tried]
+            names = [
+                m for _, nn, m in pending if nn == n and m != methods.DENSE and (n, m) not in tried
+            ]
             names = list(dict.fromkeys(names))
             measure = {m for bb, nn, m in pending if nn == n and bb == 1}
             bar.set_postfix_str(f"calibrating at N={n}")
@@ -898,7 +878,7 @@ def run(s: Settings) -> pd.DataFrame:
             cals.update({(n, m): c for m, c in got.items()})
             tried.update((n, m) for m in names)
         cal = cals.get((n, name))
-        if name != "dense" and cal is None:
+        if name != methods.DENSE and cal is None:
             failed.append(f"b={b} N={n} {name}: not calibrated (see the error above)")
             bar.update()
             continue
@@ -928,7 +908,7 @@ def run(s: Settings) -> pd.DataFrame:
             continue
         row.update(
             model_mib=lm.model_mib,
-            executor=resolve_executor(s.executor, s.device) if name != "dense" else "sdpa",
+            executor=resolve_executor(s.executor, s.device) if name != methods.DENSE else "sdpa",
             sdpa_backend=s.sdpa_backend,
             knob_name=methods.method_class(name).knob or "",
             experts_impl=_experts_impl(lm.model.config),
@@ -969,14 +949,14 @@ def _plot(s: Settings, df: pd.DataFrame) -> None:
 
     same = (df["model"] == s.model) & (df["layers"] == s.layers)
     same &= (df["dtype"] == MODEL_DTYPES[s.model]) & (
-        (df["method"] == "dense") | (df["target"] == s.target)
+        (df["method"] == methods.DENSE) | (df["target"] == s.target)
     )
     standalone = timing_tables.standalone_rows(s.out, s.tag, s.target)
     timing_tables.plot_speedup(df[same], standalone, s.figure)
 
 
 def _target(s: Settings, name: str) -> float:
-    return 1.0 if name == "dense" else s.target
+    return 1.0 if name == methods.DENSE else s.target
 
 
 def _cal_columns(cal: Calibrated | None, batch: int) -> dict:
@@ -1029,7 +1009,7 @@ def summary_markdown(df: pd.DataFrame) -> str:
     """Batch-1 speedups over dense per method and context, as a Markdown table."""
     if df.empty:
         return ""
-    one = df[(df["batch"] == 1) & (df["status"] == "ok") & (df["method"] != "dense")]
+    one = df[(df["batch"] == 1) & (df["status"] == "ok") & (df["method"] != methods.DENSE)]
     ns = sorted(one["n"].unique())
     cells = {}
     for _, r in one.iterrows():
@@ -1088,7 +1068,7 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         help="contexts of batches > 1 (default 32K 64K 128K on CUDA, 1K on a CPU)",
     )
-    ap.add_argument("--batch-methods", nargs="+", default=THROUGHPUT_METHODS)
+    ap.add_argument("--batch-methods", nargs="+", default=throughput_methods())
     ap.add_argument("--methods", nargs="+", default=d.methods)
     ap.add_argument("--target", type=float, default=d.target)
     ap.add_argument("--warmup", type=int, default=d.warmup)

@@ -241,17 +241,25 @@ def load_rows(task: str, data: dict | None) -> list[dict]:
     `data["revision"]` pins a hub revision (En.QA was revised in 2024: pin it for comparisons).
     """
     _spec(task)
-    src = source(data, f"the hub id {HUB_ID} or a local directory of <task>.jsonl files")
+    src = source(data, SOURCE_HINT)
     if is_local(src):
-        path = Path(src).expanduser() / f"{task}.jsonl"
-        try:
-            stamp = path.stat().st_mtime_ns
-        except OSError as e:
-            raise ValueError(
-                f"benchmark.data.dataset={src}: cannot read {path} ({e.strerror or e})"
-            ) from None
+        path, stamp = _local_file(task, src)
         return _local_rows(task, str(path), stamp)
     return _hub_rows(task, src, (data or {}).get("revision"))
+
+
+SOURCE_HINT = f"the hub id {HUB_ID} or a local directory of <task>.jsonl files"
+
+
+def _local_file(task: str, src: str) -> tuple[Path, int]:
+    """The task's file `<src>/<task>.jsonl` and its modification time."""
+    path = Path(src).expanduser() / f"{task}.jsonl"
+    try:
+        return path, path.stat().st_mtime_ns
+    except OSError as e:
+        raise ValueError(
+            f"benchmark.data.dataset={src}: cannot read {path} ({e.strerror or e})"
+        ) from None
 
 
 def check_data(task: str, data: dict | None) -> None:

@@ -140,19 +140,27 @@ def load_rows(data: dict | None) -> list[dict]:
     `data["revision"]` pins a hub revision. A local file is JSON (a list of rows, like the hub's
     data.json) or JSONL; a directory is read as its data.json.
     """
-    src = source(data, f"the hub id {HUB_ID} or a local data.json/.jsonl copy")
+    src = source(data, SOURCE_HINT)
     revision = (data or {}).get("revision")
     if is_local(src):
-        path = Path(src).expanduser()
-        path = path / "data.json" if path.is_dir() else path
-        try:
-            stamp = path.stat().st_mtime_ns
-        except OSError as e:
-            raise ValueError(
-                f"benchmark.data.dataset={src}: cannot read {path} ({e.strerror or e})"
-            ) from None
+        path, stamp = _local_file(src)
         return _local_rows(str(path), stamp)
     return _hub_rows(src, revision)
+
+
+SOURCE_HINT = f"the hub id {HUB_ID} or a local data.json/.jsonl copy"
+
+
+def _local_file(src: str) -> tuple[Path, int]:
+    """The local copy named by `src` (a directory: its data.json) and its modification time."""
+    path = Path(src).expanduser()
+    path = path / "data.json" if path.is_dir() else path
+    try:
+        return path, path.stat().st_mtime_ns
+    except OSError as e:
+        raise ValueError(
+            f"benchmark.data.dataset={src}: cannot read {path} ({e.strerror or e})"
+        ) from None
 
 
 def check_data(task: str, data: dict | None) -> None:

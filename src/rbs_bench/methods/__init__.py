@@ -2,34 +2,97 @@
 
 `build(name, **fields)` is the one way the runner, calibration and tools obtain a method. A name is
 registered only once its rule is implemented; unknown names and fields fail with the valid choices.
+
+Selectors come from this package (dense and the RBS family), from `rbs_bench.baselines`, and from
+any installed distribution that declares an entry point in the group `rbs_bench.methods`, e.g. in
+its pyproject.toml:
+
+    [project.entry-points."rbs_bench.methods"]
+    mymethod = "my_package.my_method:MyMethod"
+
+The entry point names a selector class (a frozen dataclass with `name`, `knob`, `knob_direction`,
+`knob_range`, `block_size`, `is_dense`, `select`, `with_knob`, `fields` and a `MethodInfo` as
+`info`; see docs/design.md §3). Everything else the harness shows about a method is read from the
+class through `info(name)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from importlib.metadata import entry_points
 
 from rbs_bench.methods.dense import Dense
+from rbs_bench.methods.info import MethodInfo
+from rbs_bench.methods.oracle import Oracle
 from rbs_bench.methods.rbs import RBS, Centroid, FullL2
 from rbs_bench.methods.selection import BlockSelection, Selector
 
-_CORE = (Dense, RBS, Centroid, FullL2)
+_CORE = (Dense, RBS, Centroid, FullL2, Oracle)
+ENTRY_POINT_GROUP = "rbs_bench.methods"
+DENSE = Dense.name  # the reference of every table
 
-__all__ = ["BlockSelection", "Selector", "UnknownMethodError", "available", "build", "registry"]
+__all__ = [
+    "DENSE",
+    "BlockSelection",
+    "MethodInfo",
+    "Selector",
+    "UnknownMethodError",
+    "available",
+    "build",
+    "display",
+    "info",
+    "order_key",
+    "refresh",
+    "registry",
+]
+
+_REGISTRY: dict[str, type] | None = None
 
 
 class UnknownMethodError(ValueError):
     pass
 
 
+def _plugins() -> list[type]:
+    """The selector classes that installed distributions register under ENTRY_POINT_GROUP."""
+    out = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        cls = ep.load()
+        name = getattr(cls, "name", None)
+        if name != ep.name:
+            raise ValueError(
+                f"entry point {ep.name!r} of group {ENTRY_POINT_GROUP!r} ({ep.value}) loads a "
+                f"class whose name is {name!r}; the two must agree"
+            )
+        out.append(cls)
+    return out
+
+
 def registry() -> dict[str, type]:
-    """Every registered selector class by name: the RBS family, dense, and rbs_bench.baselines.
+    """Every registered selector class by name: this package's, rbs_bench.baselines' and the
+    entry points'. A plugin may not take a name that is already registered.
 
-    Built on call: baselines import this package's submodules, so whichever side is imported
-    first, the registry is complete by the time anything asks.
+    Built on first use: baselines import this package's submodules, so whichever side is imported
+    first, the registry is complete by the time anything asks. `refresh()` rebuilds it (after a
+    distribution was installed or put on sys.path in the same process).
     """
-    from rbs_bench.baselines import SELECTORS
+    global _REGISTRY
+    if _REGISTRY is None:
+        from rbs_bench.baselines import SELECTORS
 
-    return {cls.name: cls for cls in (*_CORE, *SELECTORS)}
+        reg = {cls.name: cls for cls in (*_CORE, *SELECTORS)}
+        for cls in _plugins():
+            if cls.name in reg and reg[cls.name] is not cls:
+                raise ValueError(f"a plugin registers method {cls.name!r}, which already exists")
+            reg[cls.name] = cls
+        _REGISTRY = reg
+    return dict(_REGISTRY)
+
+
+def refresh() -> None:
+    """Forget the registry, so that the next look-up reads the entry points again."""
+    global _REGISTRY
+    _REGISTRY = None
 
 
 def available() -> list[str]:
@@ -43,6 +106,37 @@ def method_class(name: str) -> type:
         raise UnknownMethodError(
             f"unknown method {name!r}; valid methods: {', '.join(available())}"
         ) from None
+
+
+def info(name: str) -> MethodInfo:
+    """The metadata of method `name`; a name no installed selector has (e.g. in old records)
+    gets its own name as display name and sorts after every known method."""
+    cls = registry().get(name)
+    got = getattr(cls, "info", None)
+    return got if isinstance(got, MethodInfo) else MethodInfo(display=name)
+
+
+def display(name: str) -> str:
+    return info(name).display
+
+
+def order_key(name: str) -> tuple:
+    """Sort key of a method in tables and figures: its `info.order`, then its name."""
+    return (info(name).order, name)
+
+
+def in_order(names) -> list[str]:
+    return sorted(names, key=order_key)
+
+
+def headline() -> str:
+    """The method under study (the one whose `info.headline` is set): tool options' default."""
+    return next(n for n in in_order(registry()) if info(n).headline)
+
+
+def compared(with_dense: bool = False) -> list[str]:
+    """The default method list of the comparison studies, in table order."""
+    return [n for n in in_order(registry()) if info(n).compare and (with_dense or n != DENSE)]
 
 
 def field_names(name: str) -> list[str]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.selection import BlockSelection, check_inputs
 
 
@@ -20,6 +21,7 @@ class Dense:
     knob = None  # nothing to calibrate
     knob_direction = 0
     is_dense = True
+    info = MethodInfo(display="Dense", order=0, style=("#000000", "."), throughput=True)
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)

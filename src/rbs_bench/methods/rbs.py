@@ -35,6 +35,7 @@ from rbs_bench.kernels.block_scores import block_scores_ref
 from rbs_bench.kernels.block_stats import block_stats, block_stats_ref, rescue_beta, rescue_beta_ref
 from rbs_bench.kernels.rbs_select import rbs_select
 from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.selection import (
     BlockSelection,
     candidate_mask,
@@ -47,6 +48,9 @@ from rbs_bench.methods.selection import (
 ALPHA_BASE = 0.22
 ALPHA_RESCUE = 0.18
 IMPLS = ("auto", "torch", "triton")
+# The paper's selector tables (comparison, task-group breakdown) and block-size table.
+SELECTOR_TABLES = ("tab:selector_ablation", "tab:selector_breakdown")
+BLOCK_TABLE = "tab:block_sensitivity"
 
 
 def _check_alpha(name: str, value: float) -> None:
@@ -78,6 +82,19 @@ class BlockSelector:
 
     def with_knob(self, value: float) -> BlockSelector:
         return dataclasses.replace(self, **{self.knob: value})
+
+    def block_statistics(self, k: Tensor) -> list[tuple[str, Tensor]]:
+        """The per-key-block summaries this rule reads from keys k [B, Hkv, N, D], built as
+        `select` builds them on k's device: the centroid, and for the rescue rules the radius
+        (and rbs's beta)."""
+        fast = k.is_cuda and triton_available() and self.impl != "torch"
+        centroid, radius = (block_stats if fast else block_stats_ref)(k, self.block_size)
+        parts = [("centroid", centroid)]
+        if self.rescue_parts:
+            parts.append(("radius", radius))
+        if self.rescue_parts > 1:
+            parts.append(("beta", (rescue_beta if fast else rescue_beta_ref)(radius)))
+        return parts
 
     def _check(self, q: Tensor, k: Tensor) -> None:
         check_inputs(q, k)
@@ -144,6 +161,20 @@ class RBS(BlockSelector):
     knob = "alpha_scale"
     knob_direction = -1  # a larger scale raises both thresholds: fewer blocks
     knob_range = (1e-4, 1.0 / ALPHA_RESCUE)  # from there on both branches keep their top block
+    rescue_parts = 2  # block_statistics: radius and beta
+    info = MethodInfo(
+        display="RBS-Attention",
+        order=8,
+        paper_rows={
+            **dict.fromkeys(SELECTOR_TABLES, "RBS adaptive union"),
+            BLOCK_TABLE: "RBS union",
+        },
+        threshold_field="alpha_base",  # the calibrated scale shown as the base threshold
+        sweep=("log", 1e-7 / ALPHA_RESCUE, 1.0 / ALPHA_RESCUE),  # s: the pair's alphas x s
+        style=("#d62728", "o"),
+        headline=True,
+        throughput=True,
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -194,6 +225,10 @@ class _SingleBranch(BlockSelector):
 
     full_bound = False  # score with the full radius (beta = 1) instead of the centroid alone
 
+    @property
+    def rescue_parts(self) -> int:
+        return int(self.full_bound)
+
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)
         if _use_triton(self.impl, q.device):
@@ -213,6 +248,13 @@ class Centroid(_SingleBranch):
 
     alpha: float = ALPHA_BASE
     name = "centroid"
+    info = MethodInfo(
+        display="Centroid-only",
+        order=6,
+        paper_rows=dict.fromkeys((*SELECTOR_TABLES, BLOCK_TABLE), "Centroid-only"),
+        sweep=("log", 1e-7, 1.0),
+        style=("#1f77b4", "s"),
+    )
 
 
 @dataclass(frozen=True)
@@ -222,6 +264,13 @@ class FullL2(_SingleBranch):
     alpha: float = ALPHA_RESCUE
     name = "full_l2"
     full_bound = True
+    info = MethodInfo(
+        display="Full-L2",
+        order=7,
+        paper_rows=dict.fromkeys(SELECTOR_TABLES, "Full-L2 bound"),
+        sweep=("log", 1e-7, 1.0),
+        style=("#9467bd", "D"),
+    )
 
 
 def main() -> None:

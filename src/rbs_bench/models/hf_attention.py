@@ -37,6 +37,7 @@ class _LayerRecord:
     density: Tensor  # float [Hq], mean over the batch; left on the device until summary()
     selector_s: float
     attention_s: float
+    recall: Tensor | None = None  # float [Hq], mean over the batch (with `recall` only)
 
 
 @dataclass
@@ -49,6 +50,9 @@ class PrefillRecorder:
     """
 
     timing: bool = True
+    # Also the attention recall of each layer: the share of the dense softmax mass on the kept
+    # pairs (rbs_bench.methods.oracle.attention_recall); costs a dense pass per layer, untimed.
+    recall: bool = False
     layers: dict[int, _LayerRecord] = field(default_factory=dict)
     _pending: list[tuple[int, Tensor]] = field(default_factory=list)  # deferred finiteness checks
 
@@ -61,11 +65,19 @@ class PrefillRecorder:
             torch.cuda.synchronize(like.device)
         return time.perf_counter()
 
-    def record(self, layer: int, density: Tensor, selector_s: float, attention_s: float) -> None:
+    def record(
+        self,
+        layer: int,
+        density: Tensor,
+        selector_s: float,
+        attention_s: float,
+        recall: Tensor | None = None,
+    ) -> None:
         if layer in self.layers:  # a new forward: settle the last one's deferred checks
             self.check_finite()
             self.layers.clear()
-        self.layers[layer] = _LayerRecord(density.detach(), selector_s, attention_s)
+        recall = None if recall is None else recall.detach()
+        self.layers[layer] = _LayerRecord(density.detach(), selector_s, attention_s, recall)
 
     def check_finite(self) -> None:
         """Raise for the first deferred non-finite q/k flag (CUDA runs without timing)."""
@@ -76,7 +88,8 @@ class PrefillRecorder:
 
     def summary(self) -> dict:
         """density_mean (over layers and heads), density_layers_heads, selector_s, attention_s,
-        num_layers."""
+        num_layers; with `recall`, also recall_mean (over layers and heads) and recall_layers
+        (per layer, mean over heads)."""
         self.check_finite()
         order = sorted(self.layers)
         per_layer = [self.layers[i].density.double().cpu().tolist() for i in order]
@@ -87,6 +100,16 @@ class PrefillRecorder:
             "selector_s": sum(self.layers[i].selector_s for i in order),
             "attention_s": sum(self.layers[i].attention_s for i in order),
             "num_layers": len(order),
+        } | self._recall_summary(order)
+
+    def _recall_summary(self, order: list[int]) -> dict:
+        got = [self.layers[i].recall for i in order]
+        if not got or any(r is None for r in got):
+            return {}
+        per_layer = [float(r.double().mean()) for r in got]
+        return {
+            "recall_mean": sum(per_layer) / len(per_layer),
+            "recall_layers": [round(r, 5) for r in per_layer],
         }
 
 
@@ -123,8 +146,11 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-def install(model: torch.nn.Module, selector, executor: str = "auto") -> PrefillRecorder:
-    """Run `selector` in every prefill of `model`; returns the recorder of densities and timings."""
+def install(
+    model: torch.nn.Module, selector, executor: str = "auto", recall: bool = False
+) -> PrefillRecorder:
+    """Run `selector` in every prefill of `model`; returns the recorder of densities and timings
+    (and, with `recall`, of each layer's attention recall)."""
     register()
     modules = attention_modules(model)
     if not modules:
@@ -137,7 +163,7 @@ def install(model: torch.nn.Module, selector, executor: str = "auto") -> Prefill
         from rbs_bench.execution import execute, resolve_executor
 
         resolve_executor(executor, next(model.parameters()).device)  # unknown names fail here
-    recorder = PrefillRecorder()
+    recorder = PrefillRecorder(recall=recall)
     for m in modules:
         setattr(m, _STATE, _State(selector, executor, recorder, execute))
     current = model.config._attn_implementation
@@ -209,9 +235,8 @@ def rbs_attention_forward(
             sliding_window=sliding_window,
             **kwargs,
         )
-        rec.record(
-            layer, query.new_ones(query.shape[1], dtype=torch.float32), 0.0, rec.clock(query) - t0
-        )
+        ones = query.new_ones(query.shape[1], dtype=torch.float32)
+        rec.record(layer, ones, 0.0, rec.clock(query) - t0, ones if rec.recall else None)
         return out, None
 
     if sliding_window is not None:
@@ -224,14 +249,15 @@ def rbs_attention_forward(
         # reads next, so no transpose copy follows
         b, hq, n, d = query.shape
         buf = query.new_empty(b, n, hq, d).transpose(1, 2)
-        out, density, sel_s, attn_s = _sparse(state, query, key, value, scaling, out=buf)
+        out, density, sel_s, attn_s, recall = _sparse(state, query, key, value, scaling, out=buf)
         density = density.mean(0)
+        recall = None if recall is None else recall.mean(0)
     else:
-        out, density, sel_s, attn_s = _sparse_padded(
+        out, density, sel_s, attn_s, recall = _sparse_padded(
             state, query, key, value, attention_mask, scaling, layer
         )
     if density is not None:
-        rec.record(layer, density, sel_s, attn_s)
+        rec.record(layer, density, sel_s, attn_s, recall)
     return out.transpose(1, 2).contiguous(), None  # a no-op view for the unpadded buffer
 
 
@@ -246,7 +272,8 @@ def _check_finite(query: Tensor, key: Tensor, layer: int, rec: PrefillRecorder) 
 def _sparse(
     state: _State, q: Tensor, k: Tensor, v: Tensor, scale: float | None, out: Tensor | None = None
 ):
-    """(out [B, Hq, N, D], head density [B, Hq], selector s, attention s) of unpadded rows.
+    """(out [B, Hq, N, D], head density [B, Hq], selector s, attention s, head recall [B, Hq] or
+    None) of unpadded rows.
 
     `out`, if given, receives the output (the kernel writes the model's layout directly).
     """
@@ -260,7 +287,12 @@ def _sparse(
         t1 = rec.clock(q)
         out = state.execute(q, k, v, sel, state.executor, scale=scale, out=out)
         t2 = rec.clock(q)
-    return out, sel.head_density().float(), t1 - t0, t2 - t1
+        recall = None
+        if rec.recall:
+            from rbs_bench.methods.oracle import attention_recall
+
+            recall = attention_recall(q, k, sel, scale)
+    return out, sel.head_density().float(), t1 - t0, t2 - t1, recall
 
 
 def _sparse_padded(
@@ -281,7 +313,7 @@ def _sparse_padded(
     rows = torch.stack([count, first, ok.long()], dim=1).tolist()  # one host sync for the batch
 
     out = q.new_zeros(q.shape)
-    densities, sel_s, attn_s = [], 0.0, 0.0
+    densities, recalls, sel_s, attn_s = [], [], 0.0, 0.0
     for i, (cnt, start, contiguous) in enumerate(rows):
         if not contiguous:
             raise ValueError(
@@ -291,11 +323,14 @@ def _sparse_padded(
         if cnt == 0:
             continue
         sl = slice(start, start + cnt)
-        o, d, s_s, a_s = _sparse(
+        o, d, s_s, a_s, r = _sparse(
             state, q[i : i + 1, :, sl], k[i : i + 1, :, sl], v[i : i + 1, :, sl], scale
         )
         out[i : i + 1, :, sl] = o
         densities.append(d[0])
+        if r is not None:
+            recalls.append(r[0])
         sel_s, attn_s = sel_s + s_s, attn_s + a_s
     density = torch.stack(densities).mean(0) if densities else None
-    return out, density, sel_s, attn_s
+    recall = torch.stack(recalls).mean(0) if recalls else None
+    return out, density, sel_s, attn_s, recall

@@ -709,7 +709,11 @@ def parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--model", required=True, help="local model directory or hub id")
     ap.add_argument("--model-name", help="name in the results path (default: the path's name)")
-    ap.add_argument("--method", nargs="+", default=["rbs"], help="registered method(s)")
+    from rbs_bench import methods
+
+    ap.add_argument(
+        "--method", nargs="+", default=[methods.headline()], help="registered method(s)"
+    )
     ap.add_argument(
         "--budget",
         nargs="*",
