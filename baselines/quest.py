@@ -42,7 +42,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.kernels.quest_select import (
     MAX_BLOCKS,
     box_scores_ref,
@@ -51,6 +50,7 @@ from rbs_bench.kernels.quest_select import (
     quest_select,
     top_fraction,
 )
+from rbs_bench.kernels.triton_util import triton_available
 from torch import Tensor
 
 from rbs_bench.methods.info import MethodInfo

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from rbs_bench.kernels.block_mass import block_mass, block_mass_ref
-from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.kernels.quest_select import MAX_BLOCKS, top_fraction, top_fraction_select
+from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.rbs import BlockSelector, _check_impl, _use_triton
 from rbs_bench.methods.selection import (
