@@ -373,6 +373,7 @@ class Cell:
     paper: tuple[str, ...] | None = None  # the paper's numbers as printed
     template: str | None = None  # how the parts read, e.g. "[{}, {}]"; default "a / b"
     interval: str | None = None  # the accuracy's 95% interval, e.g. "[30.0, 90.3]"
+    interval_at: int = -1  # the part it follows (-1: the last)
 
     def _join(self, parts: Iterable[str]) -> str:
         parts = list(parts)
@@ -382,8 +383,11 @@ class Cell:
 
     def render(self, bold: Callable[[str], str], esc: Callable[[str], str]) -> str:
         b = self.bold or (False,) * len(self.ours)
-        text = self._join(bold(esc(v)) if f else esc(v) for v, f in zip(self.ours, b))
-        text += f" {esc(self.interval)}" if self.interval else ""
+        parts = [bold(esc(v)) if f else esc(v) for v, f in zip(self.ours, b)]
+        if self.interval and parts:
+            at = self.interval_at if 0 <= self.interval_at < len(parts) else len(parts) - 1
+            parts[at] += f" {esc(self.interval)}"
+        text = self._join(parts)
         return text + (f" ({self._join(esc(p) for p in self.paper)})" if self.paper else "")
 
 
@@ -704,11 +708,12 @@ class GridSpec:
                 for ck in col_keys:
                     m = at.get((rk, ck))
                     ours = (MISSING,)  # a cell we have not run
-                    interval = None
+                    interval, after = None, -1
                     if m is not None:
                         ours = tuple(mt.format(m[mt.column]) for mt in metrics)
-                        for mt in metrics:
+                        for j, mt in enumerate(metrics):
                             if mt.interval:
+                                after = j
                                 interval, half = interval_text(m[mt.column], m["n"])
                                 if half > NOISE_HALF_WIDTH:
                                     widest, ns = max(widest, half), ns + [int(m["n"])]
@@ -717,7 +722,7 @@ class GridSpec:
                         names = [(paper.row(label), paper.column(ck, mt.name)) for mt in metrics]
                         got = [pv.get(paper.table, r, c) for r, c in names]
                         theirs = tuple(v or MISSING for v in got) if any(got) else None
-                    cells.append(Cell(ours, paper=theirs, interval=interval))
+                    cells.append(Cell(ours, paper=theirs, interval=interval, interval_at=after))
                 rows.append((rk, col_keys, metrics, cells))
         if self.bold:
             self._mark_best(rows)
@@ -761,9 +766,10 @@ class GridSpec:
         for budget, sub in ref.groupby("budget", sort=True):
             m = cell_means(sub, ["method"]).iloc[0]
             cell = Cell(tuple(mt.format(m[mt.column]) for mt in self.metrics))
-            score = [mt for mt in self.metrics if mt.interval]
+            score = [j for j, mt in enumerate(self.metrics) if mt.interval]
             if score:
-                cell.interval = interval_text(m[score[0].column], m["n"])[0]
+                cell.interval_at = score[0]
+                cell.interval = interval_text(m[self.metrics[score[0]].column], m["n"])[0]
             if paper is not None and paper.reference is not None:
                 got = [pv.get(paper.table, *paper.reference(mt.name)) for mt in self.metrics]
                 cell.paper = tuple(v or MISSING for v in got) if any(got) else None
