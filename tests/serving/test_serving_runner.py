@@ -68,7 +68,7 @@ def test_prompts_are_seeded_and_a_batch_extends_the_single_prompt():
 def test_budget_from_a_calibration_file(tmp_path):
     (tmp_path / "tiny").mkdir()
     (tmp_path / "tiny" / "rbs.yaml").write_text(
-        "model: tiny\nmethod: rbs\nentries:\n- {target: 0.05, knob: 1.75}\n"
+        "model: tiny\nmethod: rbs\nentries:\n- {target: 0.05, knob: 1.75, density_mean: 0.05}\n"
     )
     assert serving.calibrated_knob(str(tmp_path), "tiny", "rbs", 0.05) == 1.75
     with pytest.raises(UserError, match="python -m rbs_bench.calibrate"):

@@ -371,10 +371,12 @@ def calibrated_knob(calibration_dir: str, model_name: str, method: str, target: 
     from omegaconf import OmegaConf
 
     from rbs_bench.calibrate import load_knob
+    from rbs_bench.config import CalibrationCfg
 
     cfg = OmegaConf.create(
         {
-            "calibration": {"dir": calibration_dir},
+            # the default tolerance: an entry must hold its target's density within it
+            "calibration": {"dir": calibration_dir, "tolerance": CalibrationCfg.tolerance},
             "model": {"name": model_name},
             "method": {"name": method},
             "budget": {"name": f"d{target:g}", "target": target},
