@@ -206,16 +206,16 @@ def block_mass(q: Tensor, k: Tensor, block_size: int, scale: float | None = None
 
 
 def main() -> None:
-    """Print the block mass of one head of the structured synthetic inputs."""
-    from rbs_bench import synthetic
-
-    data = synthetic.generate(1, 2, 1, 1536, 64, seed=0)  # 12 blocks of 128, 8 needles
-    mass = block_mass_ref(data.q, data.k, 128)
+    """Print the block mass of one head of seeded random inputs with one planted needle."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 1536, 64, generator=gen)  # 12 blocks of 128, two query heads per KV head
+    k = torch.randn(1, 1, 1536, 64, generator=gen)
+    k[0, 0, 300] = 4 * q[0, 0, 1400]  # a key in block 2 that query block 10 matches strongly
+    mass = block_mass_ref(q, k, 128)
     torch.set_printoptions(precision=1, sci_mode=False, linewidth=120)
     print("block mass, head 0 (rows sum to the query block's token count):")
     print(mass[0, 0])
     print("row sums:", [round(x, 2) for x in mass[0, 0].sum(-1).tolist()])
-    print("needles (batch, kv head, key, query block):", data.needles.tolist())
 
 
 if __name__ == "__main__":
