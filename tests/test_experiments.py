@@ -197,4 +197,8 @@ def test_calibrated_grid_cell_runs_at_its_target(tmp_path):
     assert "already calibrated" in res.stdout or "warning" in res.stderr
     assert tables.main(["--results", str(tmp_path), "--paper-values", str(VALUES)]) == 0
     md = (tmp_path / "tables" / "ruler_budget_tiny.md").read_text()
-    assert f"| 80% | {100 * rec['density']:.2f} / {rec['score']:.2f} |" in md.replace("**", "")
+    from rbs_bench.report import wilson
+
+    lo, hi = wilson(rec["score"], 1)  # the accuracy's 95% interval from one sample
+    cell = f"| 80% | {100 * rec['density']:.2f} / {rec['score']:.2f} [{lo:.1f}, {hi:.1f}]"
+    assert cell in md.replace("**", "")

@@ -518,6 +518,11 @@ def test_recall_column_and_oracle_row_appear_when_runs_recorded_them(tmp_path):
     rows = _md_rows(md)
     assert rows["Target"] == ["RBS-Attention", "Oracle"]
     # the oracle is a reference: never the bold best of a row
-    assert rows["5%"] == ["5.50 / **80.00** / 50.00", "5.00 / 100.00 / 90.00"]
+    # accuracy carries its 95% Wilson interval at n=4 (report.wilson)
+    assert rows["5%"] == [
+        "5.50 / **80.00** [33.7, 96.9] / 50.00",
+        "5.00 / 100.00 [51.0, 100.0] / 90.00",
+    ]
     assert "density / accuracy / recall" in md and "Recall: the share" in md
-    assert "Dense (budget default, n=4): density / accuracy / recall = 100.00 / 90.00 / –." in md
+    dense = "Dense (budget default, n=4): density / accuracy / recall = 100.00 / 90.00 [41.7, 99.1]"
+    assert f"{dense} / –." in md
