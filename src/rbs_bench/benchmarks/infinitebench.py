@@ -266,7 +266,7 @@ def check_data(task: str, data: dict | None) -> None:
     """Fail before any model loads if the task's local file cannot be read or holds a malformed
     row (the error names the file and the line); a hub id is checked when it is loaded."""
     _spec(task)
-    src = source(data, f"the hub id {HUB_ID} or a local directory of <task>.jsonl files")
+    src = source(data, SOURCE_HINT)
     if is_local(src):
         load_rows(task, data)
 

@@ -167,7 +167,7 @@ def check_data(task: str, data: dict | None) -> None:
     """Fail before any model loads if a local copy cannot be read or holds a malformed row (the
     error names the file and the row); a hub id is checked when it is loaded."""
     _spec(task)
-    src = source(data, f"the hub id {HUB_ID} or a local data.json/.jsonl copy")
+    src = source(data, SOURCE_HINT)
     if is_local(src):
         load_rows(data)
 
