@@ -193,11 +193,12 @@ def _paper_calibration(values: Path) -> dict[str, dict[str, str]]:
     """Table 11's cells by display row: {row: {column: value}}."""
     if not values.exists():
         return {}
-    df = pd.read_csv(values, dtype=str)
-    df = df[df["table"] == PAPER_CALIBRATION]
+    from rbs_bench.tables import PaperValues
+
     out: dict[str, dict[str, str]] = {}
-    for _, r in df.iterrows():
-        out.setdefault(r["row"], {})[r["column"]] = r["value"]
+    for (table, row, column), cell in PaperValues.load(values).cells.items():
+        if table == PAPER_CALIBRATION:
+            out.setdefault(row, {})[column] = cell["value"]
     return out
 
 
