@@ -1,8 +1,8 @@
 """Check, time and profile the kernels' configurations in one GPU call.
 
-    python -m rbs_bench.kernels.variants --out DIR [--budget-s 300]
-    ncu ... --profile-from-start off python -m rbs_bench.kernels.variants profile --out DIR
-    ncu ... python -m rbs_bench.kernels.variants profile --tuned --lengths 65536 131072
+    python -m rbs_bench.bench.variants --out DIR [--budget-s 300]
+    ncu ... --profile-from-start off python -m rbs_bench.bench.variants profile --out DIR
+    ncu ... python -m rbs_bench.bench.variants profile --tuned --lengths 65536 131072
 
 `time` (the default): per input family (`rbs_bench.synthetic.FAMILIES`) and length, RBS is
 calibrated to 5% measured density; then every configuration of the sparse attention kernel in
@@ -126,9 +126,8 @@ def attention_errors(q, k, v, sel, out, blocks, rows) -> float:
 
 def time_attention(rows: Rows, family, n, pattern, q, k, v, sel, density, cudnn_tf, t_end):
     """Check and time each attention configuration on one selection; the fastest's tag."""
-    from rbs_bench.kernels import block_sparse_attn as bsa
-
     from rbs_bench.bench.attention import _rows, causal_flops, do_bench, sample_blocks
+    from rbs_bench.kernels import block_sparse_attn as bsa
 
     flops = density * causal_flops(n, q.shape[1], q.shape[3])
     blocks = sample_blocks(n, 128, 4, seed=1)
@@ -159,10 +158,9 @@ def time_attention(rows: Rows, family, n, pattern, q, k, v, sel, density, cudnn_
 
 def time_selectors(rows: Rows, family, n, q, k, selector, t_end):
     """Check each selector variant against the default and time it (stats included)."""
+    from rbs_bench.bench.attention import do_bench
     from rbs_bench.kernels.block_stats import block_stats, rescue_beta
     from rbs_bench.kernels.rbs_select import _launch
-
-    from rbs_bench.bench.attention import do_bench
 
     bs = selector.block_size
     forced = (selector.sink_blocks, selector.window_blocks, selector.last_q_blocks)
@@ -203,8 +201,6 @@ def dense_ms(q, k, v, names=("sdpa_cudnn",)) -> dict:
 def errors(rows: Rows, family, n, q, k, v, sel, configs):
     """Sparse output errors (each config) against fp32 over the kept blocks, next to dense
     SDPA's against fp32 dense and PyTorch's bf16 SDPA over the same blocks (24 query blocks)."""
-    from rbs_bench.kernels import block_sparse_attn as bsa
-
     from rbs_bench.bench.attention import (
         dense_errors,
         dense_fns,
@@ -212,6 +208,7 @@ def errors(rows: Rows, family, n, q, k, v, sel, configs):
         sample_blocks,
         sparse_references,
     )
+    from rbs_bench.kernels import block_sparse_attn as bsa
 
     blocks = sample_blocks(n, 128, 24, seed=0)
     dense = dense_errors(q, k, v, dense_fns(q, k, v), blocks, 128)
