@@ -35,7 +35,7 @@ def test_method_yaml_matches_registry(method):
 
 
 def test_forced_blocks_set_every_method_and_yield_to_method_fields():
-    from rbs_bench.runner import build_selector
+    from rbs_bench.session import build_selector
 
     def built(*overrides):
         return build_selector(_compose(list(overrides)), apply_budget=False)

@@ -15,9 +15,8 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from rbs_bench import config, tables
-from rbs_bench.__main__ import grid_overrides
 from rbs_bench.records import read_records
-from rbs_bench.runner import build_selector, cell_dir
+from rbs_bench.session import build_selector, cell_dir
 
 config.register_schemas()
 
@@ -56,7 +55,7 @@ def _expand(experiment: str, pinned: tuple[str, ...] = (), every: bool = False) 
     over = [f"+experiment={experiment}", *pinned]
     with initialize_config_module(config_module=config.CONFIG_MODULE, version_base="1.3"):
         hc = compose(config_name="config", overrides=over, return_hydra_config=True).hydra
-        grids = grid_overrides(hc)
+        grids = config.grid_overrides(hc)
         picked = grids if every else _covering(grids)
         cells = [compose(config_name="config", overrides=over + g) for g in picked]
     for cell in cells:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from rbs_bench import calibrate, methods, runner
+from rbs_bench import calibrate, methods, runner, session
 from rbs_bench.bench import ttft
 from rbs_bench.config import TimingCfg
 from rbs_bench.models import tiny
@@ -59,7 +59,7 @@ def test_runner_prefill_keeps_the_last_logits_only(model, ids):
 
 @pytest.mark.slow
 def test_a_calibration_step_keeps_the_last_logits_only(model, ids):
-    loaded = runner.Loaded(model, None, torch.device("cpu"), {})
+    loaded = session.Loaded(model, None, torch.device("cpu"), {})
     base = methods.build("rbs", impl="torch")
     values = np.geomspace(0.1, 5.0, 33).tolist()
     (dens, curves), peak = ttft.cpu_peak_bytes(

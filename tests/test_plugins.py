@@ -10,7 +10,8 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from rbs_bench import benchmarks, calibrate, config, methods, observations, tables
-from rbs_bench.runner import Session, run_cell
+from rbs_bench.runner import run_cell
+from rbs_bench.session import Session
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ext_method"
 VALUES = Path(__file__).parents[1] / "results" / "paper" / "paper_values.csv"

@@ -15,23 +15,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+from rbs_bench.checks import check_cell, preflight
 from rbs_bench.config import (
     CONFIG_MODULE,
-    preflight,
+    grid_overrides,
     reference_cells,
     register_schemas,
     report_user_errors,
-    sweep_cells,
     validate,
 )
 from rbs_bench.models.memory import use_expandable_segments
 
 register_schemas()
-
-
-def grid_overrides(hc) -> list[list[str]]:
-    """The experiment's sweep, less the keys the command line pins, as lists of overrides."""
-    return sweep_cells(hc.sweeper.get("params"), list(hc.overrides.task))
 
 
 def run(cfg: DictConfig) -> None:
@@ -48,9 +43,9 @@ def run(cfg: DictConfig) -> None:
         ttft.run_experiment(cfg, HydraConfig.get().runtime.choices.get("experiment") or "adhoc")
         return
     from rbs_bench import report
-    from rbs_bench.checks import check_cell
     from rbs_bench.loggers import make_logger
-    from rbs_bench.runner import Session, cell_dir, experiment_dir, run_cell
+    from rbs_bench.runner import run_cell
+    from rbs_bench.session import Session, cell_dir, experiment_dir
 
     hc = HydraConfig.get()
     experiment = hc.runtime.choices.get("experiment") or "adhoc"

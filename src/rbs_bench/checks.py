@@ -1,9 +1,9 @@
 """Everything about a run's input that can be checked before a model loads.
 
-`check_cell` is called for every cell of a grid before the first cell starts (by `preflight` in
-config.py, and again by `rbs_bench.__main__.run` and `rbs_bench.calibrate.run` for the cells a
-launcher hands them), so that a bad value stops the command with one line, exit status 2, and
-nothing written: no cell directory, no `cell.json`, no records, no calibration entry.
+`check_cell` is called for every cell of a grid before the first cell starts (by `preflight`,
+before Hydra runs, and again by `rbs_bench.__main__.run` and `rbs_bench.calibrate.run` for the
+cells a launcher hands them), so that a bad value stops the command with one line, exit status
+2, and nothing written: no cell directory, no `cell.json`, no records, no calibration entry.
 
 What it checks, in order: the budget's target is a density in (0, 1]; `benchmark.num_samples` is
 at least 1 (0 means "every row" only for benchmarks that read rows from a data set); the method's
@@ -17,11 +17,22 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rbs_bench.config import UserError
+from rbs_bench import benchmarks, config
+from rbs_bench.calibrations import calibration_path, read_entries
+from rbs_bench.config import (
+    CONFIG_MODULE,
+    UserError,
+    explain,
+    reference_cells,
+    sweep_cells,
+    validate,
+)
+from rbs_bench.session import build_selector, cell_dir, check_benchmark
 
 BLOCK_SIZES = (16, 1024)  # smallest and largest block size a run accepts (powers of two)
 
@@ -31,9 +42,6 @@ def check_cell(cfg: DictConfig, experiment: str, calibrating: bool = False) -> N
 
     `calibrating`: the cell is checked for `rbs_bench.calibrate`, which writes a calibration
     rather than reading one."""
-    from rbs_bench import benchmarks
-    from rbs_bench.runner import _check_benchmark, build_selector, cell_dir
-
     _check_budget(cfg)
     try:
         bench = benchmarks.get(cfg.benchmark.name)
@@ -42,14 +50,12 @@ def check_cell(cfg: DictConfig, experiment: str, calibrating: bool = False) -> N
     _check_num_samples(cfg, bench)
     _check_block_size(cfg)
     selector = build_selector(cfg, apply_budget=False)  # fields and knob values of the method
-    _check_benchmark(cfg)  # tasks, data sources and rows, lengths against model.max_context
+    check_benchmark(cfg)  # tasks, data sources and rows, lengths against model.max_context
     _check_lengths(cfg, selector.block_size)
     if calibrating:
-        from rbs_bench.calibrate import _entries, calibration_path
-
         if cfg.budget.target is not None and selector.knob is not None:
             check_writable(calibration_path(cfg), "calibration.dir")
-            _entries(calibration_path(cfg))  # a malformed file fails now, not after the search
+            read_entries(calibration_path(cfg))  # a malformed file fails now, not after the search
     else:
         check_writable(cell_dir(cfg, experiment) / "records.jsonl", "results_dir")
         build_selector(cfg)  # reads the calibrated knob: a missing or malformed file fails now
@@ -116,3 +122,39 @@ def check_writable(path: Path, key: str) -> None:
         raise UserError(
             f"cannot write {path}: {parent} is {what}; set {key}= to a writable directory"
         )
+
+
+def preflight(argv: list[str], calibrating: bool = False) -> None:
+    """Exit with one line if plain command-line overrides do not compose, or if any cell of the
+    experiment's grid cannot run (check_cell), before Hydra runs and before a model loads."""
+    if not any(a.startswith("-") for a in argv):
+        config.COMMAND_OVERRIDES = list(argv)
+        problem = check_overrides(argv, calibrating=calibrating)
+        if problem:
+            print(f"rbs-bench: error: {problem}", file=sys.stderr)
+            sys.exit(2)
+
+
+def check_overrides(overrides: list[str], calibrating: bool = False) -> str | None:
+    """Compose the config for these overrides and check every cell of its grid; None if fine,
+    else the one-line error."""
+    from hydra import compose, initialize_config_module
+
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
+            validate(cfg)
+            analysis = cfg.get("observations") is not None or cfg.get("timing") is not None
+            experiment = cfg.hydra.runtime.choices.get("experiment") or "adhoc"
+            # each cell is checked as it is composed, so a bad value fails at the first cell
+            grids = reference_cells(cfg, overrides) + sweep_cells(
+                cfg.hydra.sweeper.get("params"), overrides
+            )
+            for grid in grids:
+                cell = compose(config_name="config", overrides=list(overrides) + grid)
+                validate(cell)
+                if not analysis:  # analyses are not grids of cells: they check their own input
+                    check_cell(cell, experiment, calibrating=calibrating)
+    except Exception as exc:  # any composition failure is the user's input
+        return str(exc) if isinstance(exc, UserError) else explain(exc)
+    return None

@@ -288,19 +288,7 @@ def validate(cfg) -> None:
             raise UserError(_unknown_field(f"{path}.{extra[0]}" if path else extra[0], valid))
 
 
-COMMAND_OVERRIDES: list[str] | None = None  # the command line's overrides, set by `preflight`
-
-
-def preflight(argv: list[str], calibrating: bool = False) -> None:
-    """Exit with one line if plain command-line overrides do not compose, or if any cell of the
-    experiment's grid cannot run (rbs_bench.checks), before Hydra runs and before a model loads."""
-    global COMMAND_OVERRIDES
-    if not any(a.startswith("-") for a in argv):
-        COMMAND_OVERRIDES = list(argv)
-        problem = check_overrides(argv, calibrating=calibrating)
-        if problem:
-            print(f"rbs-bench: error: {problem}", file=sys.stderr)
-            sys.exit(2)
+COMMAND_OVERRIDES: list[str] | None = None  # the command line's overrides (checks.preflight)
 
 
 def report_user_errors(fn, cfg) -> None:
@@ -310,33 +298,6 @@ def report_user_errors(fn, cfg) -> None:
     except UserError as e:
         print(f"rbs-bench: error: {e}", file=sys.stderr)
         sys.exit(2)
-
-
-def check_overrides(overrides: list[str], calibrating: bool = False) -> str | None:
-    """Compose the config for these overrides and check every cell of its grid; None if fine,
-    else the one-line error."""
-    from hydra import compose, initialize_config_module
-
-    try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
-            validate(cfg)
-            analysis = cfg.get("observations") is not None or cfg.get("timing") is not None
-            experiment = cfg.hydra.runtime.choices.get("experiment") or "adhoc"
-            # each cell is checked as it is composed, so a bad value fails at the first cell
-            grids = reference_cells(cfg, overrides) + sweep_cells(
-                cfg.hydra.sweeper.get("params"), overrides
-            )
-            for grid in grids:
-                cell = compose(config_name="config", overrides=list(overrides) + grid)
-                validate(cell)
-                if not analysis:  # analyses are not grids of cells: they check their own input
-                    from rbs_bench.checks import check_cell
-
-                    check_cell(cell, experiment, calibrating=calibrating)
-    except Exception as exc:  # any composition failure is the user's input
-        return str(exc) if isinstance(exc, UserError) else explain(exc)
-    return None
 
 
 def _override_key(text: str) -> str:
@@ -366,3 +327,8 @@ def sweep_cells(params, overrides: list[str]) -> list[list[str]]:
         values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [ov.value()]
         axes.append([f"{key}={v}" for v in values])
     return [list(c) for c in itertools.product(*axes)]
+
+
+def grid_overrides(hc) -> list[list[str]]:
+    """The experiment's sweep, less the keys the command line pins, as lists of overrides."""
+    return sweep_cells(hc.sweeper.get("params"), list(hc.overrides.task))

@@ -75,6 +75,7 @@ from rbs_bench.methods.scorers import (
 from rbs_bench.methods.selection import BlockSelection, candidate_mask
 from rbs_bench.records import RecordStore, check_fingerprint, write_atomic
 from rbs_bench.report import markdown_table
+from rbs_bench.session import Session, input_ids, resolve_device
 
 QUINTILES = 5
 CEILING = "oracle"  # the coverage curve of keeping block pairs in descending true mass
@@ -612,15 +613,6 @@ def _synthetic_inputs(ocfg, index: int, device):
         raise UserError(f"observations.structure / observations.generator: {e}") from None
 
 
-def _device(name: str) -> torch.device:
-    """runner.resolve_device, without importing the model stack for synthetic runs."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device={name} but no CUDA device is visible; use device=cpu")
-    return torch.device(name)
-
-
 def run(cfg, experiment: str) -> Path:
     """Capture every pending prompt, then write the panels; returns the run directory."""
     from omegaconf import OmegaConf
@@ -651,7 +643,7 @@ def run(cfg, experiment: str) -> Path:
     length = int(ocfg.context_length)
     t_start = time.perf_counter()
     if ocfg.synthetic:
-        device = _device(cfg.device)
+        device = resolve_device(cfg.device)
         task = "synthetic"
         for index in range(int(ocfg.prompts)):
             key = {"task": task, "context_length": length, "index": index}
@@ -670,7 +662,6 @@ def run(cfg, experiment: str) -> Path:
                 f"{cfg.model.max_context} of {cfg.model.name}"
             )
         from rbs_bench.models.hf_attention import attention_modules, install, uninstall
-        from rbs_bench.runner import Session, _input_ids  # imports transformers: model runs only
 
         cell = cfg.copy()
         OmegaConf.update(cell, "benchmark.num_samples", int(ocfg.prompts), force_add=True)
@@ -691,7 +682,7 @@ def run(cfg, experiment: str) -> Path:
                 t0 = time.perf_counter()
                 probe.begin_prompt()
                 with torch.inference_mode():
-                    ids = _input_ids(loaded, s).to(loaded.device)
+                    ids = input_ids(loaded, s).to(loaded.device)
                     loaded.model(input_ids=ids, use_cache=False, logits_to_keep=1)
                 key = {"task": task, "context_length": length, "index": s.index}
                 rec = prompt_record(probe.results, key, time.perf_counter() - t0)

@@ -6,105 +6,31 @@ the same command skips every sample already recorded there.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from filelock import Timeout
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm import tqdm
 
-from rbs_bench import benchmarks, methods, models
+from rbs_bench import benchmarks, models
 from rbs_bench.config import UserError, out_of_time
 from rbs_bench.execution import resolve_executor
 from rbs_bench.models.hf_attention import install, uninstall
 from rbs_bench.records import RecordStore, cell_lock, check_settings, write_settings
+from rbs_bench.session import (
+    Loaded,
+    Session,
+    build_selector,
+    cell_dir,
+    check_benchmark,
+    model_inputs,
+)
 
 MiB = 2**20
 LOCK_POLL_S = 10  # how often a run waiting for a cell's lock checks its time budget
-
-
-def cell_dir(cfg: DictConfig, experiment: str) -> Path:
-    return (
-        Path(cfg.results_dir)
-        / "runs"
-        / experiment
-        / cfg.model.name
-        / cfg.method.name
-        / cfg.budget.name
-    )
-
-
-def experiment_dir(cfg: DictConfig, experiment: str) -> Path:
-    return Path(cfg.results_dir) / "runs" / experiment / cfg.model.name
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"device={name} but no CUDA device is visible; use device=cpu")
-    return torch.device(name)
-
-
-def build_method(cfg: DictConfig):
-    """The method at its configured fields (interpolations such as `${forced.*}` resolved), no
-    budget applied."""
-    fields = OmegaConf.to_container(cfg.method, resolve=True)
-    try:
-        return methods.build(cfg.method.name, **{k: v for k, v in fields.items() if k != "name"})
-    except ValueError as e:
-        raise UserError(str(e)) from None
-
-
-def build_selector(cfg: DictConfig, apply_budget: bool = True):
-    """The method of this cell, with its budget's knob (set by hand or calibrated) applied."""
-    budget = cfg.budget
-    if budget.knob is not None and budget.target is not None:
-        raise UserError(f"budget {budget.name!r} sets both knob and target; keep one")
-    sel = build_method(cfg)
-    if not apply_budget or sel.knob is None:
-        return sel  # dense has nothing to set: every budget means density 1
-    if budget.knob is not None or budget.target is not None:
-        _refuse_overridden_knob_fields(cfg, sel)
-    try:
-        if budget.knob is not None:
-            return sel.with_knob(budget.knob)
-        if budget.target is not None:
-            from rbs_bench.calibrate import load_knob
-
-            return sel.with_knob(load_knob(cfg))
-    except ValueError as e:
-        raise UserError(str(e)) from None
-    return sel
-
-
-def _refuse_overridden_knob_fields(cfg: DictConfig, sel) -> None:
-    """A budget sets the fields its knob moves (rbs: alpha_base and alpha_rescue); a value given
-    for one of them would be replaced without a word, so it stops the run instead."""
-    from rbs_bench.budget import knob_fields
-
-    defaults = {f.name: f.default for f in dataclasses.fields(sel)}
-    given = sorted(
-        f
-        for f in knob_fields(sel)
-        if f in defaults and f in cfg.method and getattr(sel, f) != defaults[f]
-    )
-    if given:
-        how = (
-            f"its knob {sel.knob}={cfg.budget.knob:g}"
-            if cfg.budget.knob is not None
-            else f"the {sel.knob} calibrated to density {cfg.budget.target:g}"
-        )
-        fields = ", ".join(f"method.{f}={getattr(sel, f)!r}" for f in given)
-        raise UserError(
-            f"{fields} would be replaced by budget {cfg.budget.name!r}: {how} sets "
-            f"{', '.join(f'method.{f}' for f in sorted(knob_fields(sel)))}; drop {fields} to run "
-            "at the budget, or run at the fields as given with budget=default"
-        )
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -115,87 +41,6 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-@dataclass
-class Loaded:
-    """What cells of one process share: the model and the benchmark samples."""
-
-    model: torch.nn.Module
-    tokenizer: object
-    device: torch.device
-    samples: dict  # (task, length) -> list[Sample]
-    processor: object = None  # video inputs of a vision-language model (models.vision)
-
-
-class Session:
-    """Caches the model and generated samples across the cells a process runs."""
-
-    def __init__(self):
-        self._model_key = None
-        self._loaded: Loaded | None = None
-
-    def load(self, cfg: DictConfig) -> Loaded:
-        key = OmegaConf.to_yaml(cfg.model) + cfg.device
-        if key != self._model_key:
-            device = resolve_device(cfg.device)
-            try:
-                model, tok = models.load(cfg.model, device=device)
-                processor = models.load_video_processor(cfg.model, model, tok)
-            except ValueError as e:
-                raise UserError(str(e)) from None
-            # inputs go where the embeddings are (the first GPU of a model spread over several)
-            device = model.get_input_embeddings().weight.device
-            self._loaded = Loaded(model, tok, device, {}, processor)
-            self._model_key = key
-        return self._loaded
-
-    def samples(self, cfg: DictConfig, loaded: Loaded, task: str, length: int):
-        bench = benchmarks.get(cfg.benchmark.name)
-        key = (OmegaConf.to_yaml(cfg.benchmark), task, length, OmegaConf.to_yaml(cfg.model))
-        if key not in loaded.samples:
-            wrap = lambda text, video=False: models.wrap_prompt(
-                loaded.tokenizer, cfg.model, text, video=video, processor=loaded.processor
-            )
-            try:
-                loaded.samples[key] = bench.generate(
-                    task,
-                    length,
-                    cfg.benchmark.num_samples,
-                    models.encoder(loaded.tokenizer),
-                    seed=cfg.benchmark.seed,
-                    wrap=wrap,
-                    max_new_tokens=cfg.benchmark.max_new_tokens,
-                    data=OmegaConf.to_container(cfg.benchmark.data, resolve=True),
-                )
-            except ValueError as e:
-                raise UserError(str(e)) from None
-        return loaded.samples[key]
-
-
-def _check_benchmark(cfg: DictConfig) -> None:
-    """Tasks, data sources and lengths, checked before a model is loaded."""
-    bench = benchmarks.get(cfg.benchmark.name)
-    data = OmegaConf.to_container(cfg.benchmark.data, resolve=True)
-    for task in cfg.benchmark.tasks:
-        if task not in bench.TASKS:
-            raise UserError(
-                f"unknown {cfg.benchmark.name} task {task!r}; "
-                f"valid: {', '.join(sorted(bench.TASKS))}"
-            )
-        if hasattr(bench, "check_data"):  # a missing source fails now, not after model load
-            try:
-                bench.check_data(task, data)
-            except ValueError as e:
-                raise UserError(str(e)) from None
-    for n in cfg.benchmark.context_lengths:
-        if n > cfg.model.max_context:
-            raise UserError(
-                f"context length {n} exceeds model.max_context={cfg.model.max_context} of "
-                f"{cfg.model.name}; lower benchmark.context_lengths"
-            )
-    if not cfg.benchmark.context_lengths or not cfg.benchmark.tasks:
-        raise UserError("benchmark.tasks and benchmark.context_lengths must not be empty")
 
 
 @torch.inference_mode()
@@ -293,7 +138,7 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
     The cell's lock (`<cell dir>/.lock`, records.py) is held from the settings check to the last
     record, so a second run of the same cell waits, then finds the first one's samples recorded
     and skips them."""
-    _check_benchmark(cfg)
+    check_benchmark(cfg)
     selector = build_selector(cfg)
     bench = benchmarks.get(cfg.benchmark.name)
     out_dir = cell_dir(cfg, experiment)
@@ -366,40 +211,13 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
     return store.path
 
 
-def _input_ids(loaded: Loaded, sample) -> torch.Tensor:
-    """[1, L] token ids of the prompt as fitted (no special tokens added)."""
-    if getattr(sample, "video", None) is not None:
-        raise UserError(
-            f"{sample.task} sample {sample.index} carries a video, which only benchmark runs "
-            f"decode; calibrate and analyse on a text benchmark"
-        )
-    return loaded.tokenizer(sample.prompt, add_special_tokens=False, return_tensors="pt").input_ids
-
-
-def _model_inputs(loaded: Loaded, sample) -> dict:
-    """The prefill inputs of a sample on the model's device: `input_ids` [1, L], and for a
-    sample with a video its decoded frames through the model's processor (L then counts the
-    video tokens)."""
-    video = getattr(sample, "video", None)
-    if video is None:
-        inputs = {"input_ids": _input_ids(loaded, sample)}
-    elif loaded.processor is None:
-        raise UserError("video samples need a vision-language model, e.g. model=tiny_vl")
-    else:
-        try:
-            inputs = loaded.processor.inputs(loaded.tokenizer, sample.prompt, video)
-        except ValueError as e:
-            raise UserError(f"{sample.task} sample {sample.index}: {e}") from None
-    return {k: v.to(loaded.device) for k, v in inputs.items()}
-
-
 @torch.inference_mode()
 def _warm_up(loaded: Loaded, sample) -> None:
     """One untimed prefill of a prompt of this length, so kernel compilation is not timed."""
     from rbs_bench.models.vision import reset_position_state
 
     reset_position_state(loaded.model)
-    loaded.model(**_model_inputs(loaded, sample), use_cache=True, logits_to_keep=1)
+    loaded.model(**model_inputs(loaded, sample), use_cache=True, logits_to_keep=1)
     torch.cuda.synchronize(loaded.device)
 
 
@@ -414,7 +232,7 @@ def _prompt_sha1(sample) -> str:
 
 
 def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample, length) -> dict:
-    inputs = _model_inputs(loaded, sample)
+    inputs = model_inputs(loaded, sample)
     ids = inputs.pop("input_ids")
     if inputs and ids.shape[1] + sample.max_new_tokens > length:
         raise UserError(

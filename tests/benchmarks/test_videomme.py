@@ -554,7 +554,7 @@ def run_cfg(tmp_path, video_dir, *extra):
 
 @pytest.fixture(scope="module")
 def session(tiny_vl_cache):
-    from rbs_bench.runner import Session
+    from rbs_bench.session import Session
 
     return Session()
 
@@ -605,7 +605,8 @@ def test_dense_and_rbs_runs_write_duration_tables(tmp_path, video_dir, session):
 
 
 def test_run_errors_are_one_line(tmp_path, video_dir, session):
-    from rbs_bench.runner import Session, run_cell
+    from rbs_bench.runner import run_cell
+    from rbs_bench.session import Session
 
     with pytest.raises(UserError, match=r"^benchmark.data.video_dir is not set"):
         run_cell(run_cfg(tmp_path, video_dir, "benchmark.data.video_dir=null"), "e", session)

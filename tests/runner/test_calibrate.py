@@ -5,9 +5,10 @@ import yaml
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from rbs_bench import budget, calibrate, config
+from rbs_bench import budget, calibrate, calibrations, config, methods
 from rbs_bench.config import UserError
-from rbs_bench.runner import Session, build_selector, run_cell
+from rbs_bench.runner import run_cell
+from rbs_bench.session import Session, build_selector
 
 config.register_schemas()
 
@@ -182,15 +183,15 @@ def _entry(cfg, knob, **extra):
         "density_mean": cfg.budget.target + 1e-5,
         "abs_error": 1e-5,
         "prompts": 2,
-        "setting": calibrate.setting(cfg, base),
+        "setting": calibrations.setting(cfg, base),
     } | extra
 
 
 def test_calibrations_are_kept_per_setting(tmp_path):
     a, b = _cfg(tmp_path), _cfg(tmp_path, "method.block_size=64")
-    calibrate.store(a, _entry(a, 1.5))
-    calibrate.store(b, _entry(b, 2.5))
-    calibrate.store(a, _entry(a, 1.75))  # replaces the entry of the same setting
+    calibrations.store(a, _entry(a, 1.5))
+    calibrations.store(b, _entry(b, 2.5))
+    calibrations.store(a, _entry(a, 1.75))  # replaces the entry of the same setting
     assert build_selector(a).alpha_base == pytest.approx(0.22 * 1.75)
     assert build_selector(b).alpha_base == pytest.approx(0.22 * 2.5)
     with pytest.raises(UserError, match=r"block_size=16.*create it with"):
@@ -205,12 +206,12 @@ def test_calibrations_are_kept_per_setting(tmp_path):
         }
     )
     with pytest.raises(UserError, match="holds 2 calibrations at density 0.45"):
-        calibrate.load_knob(bare)
+        calibrations.load_knob(bare, methods.build("rbs"))
 
 
 def test_existing_calibration_is_kept_without_loading_the_model(tmp_path, capsys):
     cfg = _cfg(tmp_path)
-    calibrate.store(cfg, _entry(cfg, 3.0))
+    calibrations.store(cfg, _entry(cfg, 3.0))
 
     class NoModel(Session):
         def load(self, cfg):
@@ -219,7 +220,7 @@ def test_existing_calibration_is_kept_without_loading_the_model(tmp_path, capsys
     assert calibrate.calibrate_cell(cfg, NoModel())["knob"] == 3.0
     assert "already calibrated" in capsys.readouterr().out
     # a looser stored entry (or one on fewer prompts) is redone
-    calibrate.store(cfg, _entry(cfg, 3.0, abs_error=0.01))
+    calibrations.store(cfg, _entry(cfg, 3.0, abs_error=0.01))
     with pytest.raises(AssertionError, match="the model was loaded"):
         calibrate.calibrate_cell(cfg, NoModel())
 

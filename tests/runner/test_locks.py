@@ -1,5 +1,5 @@
 """Two processes at once on one cell or one calibration file: every sample recorded once, every
-calibration entry kept (the cell lock of records.py, the store lock of calibrate.py)."""
+calibration entry kept (the cell lock of records.py, the store lock of calibrations.py)."""
 
 import json
 import os
@@ -51,7 +51,7 @@ CALIBRATION_WRITER = """
 import os, sys, time
 from pathlib import Path
 from omegaconf import OmegaConf
-from rbs_bench import calibrate
+from rbs_bench import calibrations
 
 who = int(sys.argv[1])
 cfg = OmegaConf.create(
@@ -61,7 +61,7 @@ cfg = OmegaConf.create(
     target = round(0.001 * (2 * i + who + 1), 6)
     entry = {{"target": target, "knob": 1.0, "knob_name": "alpha_scale", "density_mean": target,
               "abs_error": 0.0, "setting": {{"writer": who}}}}
-    calibrate.store(cfg, entry)
+    calibrations.store(cfg, entry)
 """
 
 

@@ -11,10 +11,11 @@ import sys
 import pytest
 from hydra import compose, initialize_config_module
 
-from rbs_bench import calibrate, config
+from rbs_bench import calibrate, calibrations, config
 from rbs_bench.config import UserError
 from rbs_bench.records import read_records
-from rbs_bench.runner import Session, build_selector, run_cell
+from rbs_bench.runner import run_cell
+from rbs_bench.session import Session, build_selector
 
 config.register_schemas()
 
@@ -154,9 +155,9 @@ def _store(cfg, knob, density, abs_error, **extra):
         "abs_error": abs_error,
         "prompts": 2,
         "tolerance": 0.002,
-        "setting": calibrate.setting(cfg, base),
+        "setting": calibrations.setting(cfg, base),
     }
-    return calibrate.store(cfg, entry | extra)
+    return calibrations.store(cfg, entry | extra)
 
 
 def test_a_method_field_the_budget_would_overwrite_stops_the_run(tmp_path):

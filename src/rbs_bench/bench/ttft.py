@@ -181,7 +181,7 @@ def resolve(
 ) -> Settings:
     """Settings from a TimingCfg (or an object with its fields); bad values raise UserError."""
     from rbs_bench.execution import resolve_executor
-    from rbs_bench.runner import resolve_device
+    from rbs_bench.session import resolve_device
 
     dev = resolve_device(device)
     defaults = DEVICE_DEFAULTS["cuda" if dev.type == "cuda" else "cpu"]

@@ -370,7 +370,8 @@ def calibrated_knob(calibration_dir: str, model_name: str, method: str, target: 
     """The knob stored by `python -m rbs_bench.calibrate` for this model, method and density."""
     from omegaconf import OmegaConf
 
-    from rbs_bench.calibrate import load_knob
+    from rbs_bench import methods
+    from rbs_bench.calibrations import load_knob
     from rbs_bench.config import CalibrationCfg
 
     cfg = OmegaConf.create(
@@ -382,7 +383,7 @@ def calibrated_knob(calibration_dir: str, model_name: str, method: str, target: 
             "budget": {"name": f"d{target:g}", "target": target},
         }
     )
-    return load_knob(cfg)
+    return load_knob(cfg, methods.build(method))
 
 
 def budget_name(spec: PrefillSpec | None) -> str:
