@@ -14,9 +14,10 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from rbs_bench import config, tables
+from rbs_bench import config
 from rbs_bench.records import read_records
 from rbs_bench.session import build_selector, cell_dir
+from rbs_bench.tables import build, specs
 
 config.register_schemas()
 
@@ -159,21 +160,21 @@ TINY = ["benchmark.context_lengths=[1024]", "benchmark.num_samples=1", "benchmar
 def test_thresholds_runs_builds_its_table_and_reruns_as_a_no_op(tmp_path):
     _run(tmp_path, "rbs_bench", "+experiment=thresholds", *TINY)
     exp = tmp_path / "runs" / "thresholds" / "tiny" / "rbs"
-    recs = {b: read_records(exp / b / "records.jsonl") for b in tables.THRESHOLD_ORDER}
+    recs = {b: read_records(exp / b / "records.jsonl") for b in specs.THRESHOLD_ORDER}
     assert all(len(r) == 1 for r in recs.values())
     assert recs["aggressive"][0]["method_fields"]["alpha_rescue"] == 0.16
     before = {p: p.read_bytes() for p in exp.rglob("records.jsonl")}
     res = _run(tmp_path, "rbs_bench", "+experiment=thresholds", *TINY)
     assert res.stdout.count("already recorded") == 3
     assert {p: p.read_bytes() for p in exp.rglob("records.jsonl")} == before
-    assert tables.main(["--results", str(tmp_path), "--paper-values", str(VALUES)]) == 0
+    assert build.main(["--results", str(tmp_path), "--paper-values", str(VALUES)]) == 0
     md = (tmp_path / "tables" / "thresholds_tiny.md").read_text()
     rows = [ln for ln in md.splitlines() if ln.startswith("| ")]
     assert [r.split(" | ")[0] for r in rows] == ["| Setting", "| Conservative", "| Default"] + [
         "| Aggressive"
     ]
     assert "| Aggressive | 0.24 | 0.16 |" in md
-    for b in tables.THRESHOLD_ORDER:
+    for b in specs.THRESHOLD_ORDER:
         assert f"{exp / b / 'records.jsonl'}` (1 records)" in md
 
 
@@ -194,7 +195,7 @@ def test_calibrated_grid_cell_runs_at_its_target(tmp_path):
     assert rec["method_fields"]["tau"] == entry["knob"]
     res = _run(tmp_path, "rbs_bench.calibrate", *args)  # a rerun keeps the calibration
     assert "already calibrated" in res.stdout or "warning" in res.stderr
-    assert tables.main(["--results", str(tmp_path), "--paper-values", str(VALUES)]) == 0
+    assert build.main(["--results", str(tmp_path), "--paper-values", str(VALUES)]) == 0
     md = (tmp_path / "tables" / "ruler_budget_tiny.md").read_text()
     from rbs_bench.report import wilson
 

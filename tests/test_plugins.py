@@ -9,9 +9,10 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_module
 
-from rbs_bench import benchmarks, calibrate, config, methods, observations, tables
+from rbs_bench import benchmarks, calibrate, config, methods, observations
 from rbs_bench.runner import run_cell
 from rbs_bench.session import Session
+from rbs_bench.tables import build
 
 FIXTURE = Path(__file__).parent / "fixtures" / "ext_method"
 VALUES = Path(__file__).parents[1] / "results" / "paper" / "paper_values.csv"
@@ -83,7 +84,7 @@ def test_calibration_cell_tables_and_observations(plugin, tmp_path, monkeypatch)
 
     out = tmp_path / "tables"
     assert (
-        tables.main(["--results", str(tmp_path), "--out", str(out), "--paper-values", str(VALUES)])
+        build.main(["--results", str(tmp_path), "--out", str(out), "--paper-values", str(VALUES)])
         == 0
     )
     table = (out / "ruler_budget_tiny.md").read_text()

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rbs_bench import tables
 from rbs_bench.records import RecordStore
 from rbs_bench.report import load_records, summarize
+from rbs_bench.tables import build, layout, paper
 
 ROOT = Path(__file__).resolve().parents[1]
 VALUES = ROOT / "results" / "paper" / "paper_values.csv"
@@ -27,7 +27,7 @@ def _values() -> list[dict]:
 
 @needs_tex
 def test_values_file_agrees_with_a_fresh_parse_of_the_paper():
-    assert tables.check_paper_values(TEX, VALUES) == []
+    assert paper.check_paper_values(TEX, VALUES) == []
 
 
 @needs_tex
@@ -49,7 +49,7 @@ def test_every_value_is_printed_on_its_line():
 
 def test_values_file_spot_checks():
     rows = _values()
-    assert list(rows[0]) == tables.PAPER_COLUMNS
+    assert list(rows[0]) == paper.PAPER_COLUMNS
     cells = {(r["table"], r["row"], r["column"]): r for r in rows}
     assert len(cells) == len(rows)  # (table, row, column) is a key
 
@@ -103,7 +103,7 @@ def results(tmp_path):
 
 def _build(results):
     out = results / "tables"
-    assert tables.main(["--results", str(results), "--paper-values", str(VALUES)]) == 0
+    assert build.main(["--results", str(results), "--paper-values", str(VALUES)]) == 0
     return {p.name: p.read_text() for p in out.iterdir()}
 
 
@@ -189,7 +189,7 @@ def test_experiments_without_cell_records_are_skipped(results, capsys):
 def test_cell_means_is_summarize_on_the_cell_keys(results):
     df = load_records(results / "runs" / "ruler_budget" / "tiny")
     _, overall = summarize(df)
-    ours = tables.cell_means(df, ["method", "budget"]).set_index(["method", "budget"])
+    ours = layout.cell_means(df, ["method", "budget"]).set_index(["method", "budget"])
     for _, r in overall.iterrows():
         got = ours.loc[(r["method"], r["budget"])]
         assert got["score"] == pytest.approx(r["score"]) and got["n"] == r["n"]
@@ -197,12 +197,12 @@ def test_cell_means_is_summarize_on_the_cell_keys(results):
 
 
 def test_no_records_is_not_an_error(tmp_path, capsys):
-    assert tables.main(["--results", str(tmp_path), "--paper-values", str(VALUES)]) == 0
+    assert build.main(["--results", str(tmp_path), "--paper-values", str(VALUES)]) == 0
     assert "no run records" in capsys.readouterr().err
 
 
 def test_missing_values_file_is_one_line(tmp_path, capsys):
-    assert tables.main(["--results", str(tmp_path)]) == 2
+    assert build.main(["--results", str(tmp_path)]) == 2
     assert "paper_values.csv is missing" in capsys.readouterr().err
 
 
@@ -214,12 +214,12 @@ def _rec(root, experiment, model, method, budget, **fields):
     path = root / "runs" / experiment / model / method / budget / "records.jsonl"
     rec = dict(experiment=experiment, model=model, method=method, budget=budget)
     rec |= dict(budget_target=None, task="niah_single_1", context_length=131072, index=0)
-    rec |= dict(score=0.0, density=1.0, ttft_s=0.1, meta={}, method_fields={})
+    rec |= dict(score=0.0, density=1.0, ttft_s=0.1, meta={}, method_fields={}, prediction="")
     RecordStore(path).append(rec | fields)
 
 
 def _tables(root) -> dict[str, str]:
-    assert tables.main(["--results", str(root), "--paper-values", str(VALUES)]) == 0
+    assert build.main(["--results", str(root), "--paper-values", str(VALUES)]) == 0
     return {p.name: p.read_text() for p in (root / "tables").iterdir()}
 
 
@@ -345,13 +345,13 @@ def test_bootstrap_ci_follows_its_rule():
     one = lambda scores, task="t": pd.DataFrame(
         {"score": scores, "task": task, "context_length": 1}
     )
-    assert tables.bootstrap_ci(one([70.0] * 5)) == (70.0, 70.0)  # no spread, no interval
+    assert layout.bootstrap_ci(one([70.0] * 5)) == (70.0, 70.0)  # no spread, no interval
     # two samples: resampled means are 0, 50 or 100 with probability 1/4, 1/2, 1/4
-    assert tables.bootstrap_ci(one([0.0, 100.0])) == (0.0, 100.0)
+    assert layout.bootstrap_ci(one([0.0, 100.0])) == (0.0, 100.0)
     df = pd.concat([one([0.0, 100.0, 100.0, 0.0, 100.0], "a"), one([100.0] * 4, "b")])
-    lo, hi = tables.bootstrap_ci(df)
-    assert lo < tables.score_mean(df) == 80.0 < hi <= 100.0
-    assert tables.bootstrap_ci(df) == (lo, hi)  # seeded: the same interval every build
+    lo, hi = layout.bootstrap_ci(df)
+    assert lo < layout.score_mean(df) == 80.0 < hi <= 100.0
+    assert layout.bootstrap_ci(df) == (lo, hi)  # seeded: the same interval every build
 
 
 def test_selector_ablation_has_ci_and_task_groups_with_the_paper_beside(tmp_path):
@@ -495,7 +495,7 @@ def test_calibration_cost_from_calibration_records(tmp_path):
 
 
 def test_paper_values_parts_join_numbered_columns():
-    pv = tables.PaperValues.load(VALUES)
+    pv = paper.PaperValues.load(VALUES)
     assert pv.parts("tab:calibration", "MInference", "Target density") == "2/5/10"
     assert pv.parts("tab:calibration", "RBS-Attention", "Target density") == "5"
     assert pv.parts("tab:calibration", "RBS-Attention", "nosuch") is None
@@ -511,7 +511,7 @@ def test_recall_column_and_oracle_row_appear_when_runs_recorded_them(tmp_path):
         path.write_text("".join(ln[:-1] + f', "recall": {recall}}}\n' for ln in lines))
     out = tmp_path / "tables"
     assert (
-        tables.main(["--results", str(tmp_path), "--out", str(out), "--paper-values", str(VALUES)])
+        build.main(["--results", str(tmp_path), "--out", str(out), "--paper-values", str(VALUES)])
         == 0
     )
     md = (out / "ruler_budget_tiny.md").read_text()
@@ -526,3 +526,43 @@ def test_recall_column_and_oracle_row_appear_when_runs_recorded_them(tmp_path):
     assert "density / accuracy / recall" in md and "Recall: the share" in md
     dense = "Dense (budget default, n=4): density / accuracy / recall = 100.00 / 90.00 [41.7, 99.1]"
     assert f"{dense} / –." in md
+
+
+@pytest.mark.parametrize(
+    "benchmark, experiment, task",
+    [
+        ("ruler", "ruler_main", "niah_single_1"),
+        ("longbench_v2", "longbench_v2", "all"),
+        ("infinitebench", "infinitebench", "passkey"),
+        ("videomme", "videomme", "all"),
+    ],
+)
+def test_tables_score_with_the_benchmarks_own_aggregate(
+    tmp_path, monkeypatch, benchmark, experiment, task
+):
+    import importlib
+
+    module = importlib.import_module(f"rbs_bench.benchmarks.{benchmark}")
+    calls = []
+    real = module.aggregate
+
+    def spy(df, *args, **kwargs):
+        calls.append(len(df))
+        return real(df, *args, **kwargs)
+
+    monkeypatch.setattr(module, "aggregate", spy)
+    for method in ("dense", "rbs"):
+        for i, s in enumerate((100, 0)):
+            meta = {"length": "short", "duration": "short"}
+            _rec(tmp_path, experiment, "m", method, "default", task=task, index=i, score=s)
+            _rec(tmp_path, experiment, "m", method, "default", task=task, index=i + 2, meta=meta)
+    _tables(tmp_path)
+    assert calls and set(calls) <= {2, 4}  # one cell's or one row's records at a time
+
+
+def test_a_longbench_row_of_two_tasks_is_refused(tmp_path, capsys):
+    for i, task in enumerate(("all", "cot")):
+        _rec(tmp_path, "longbench_v2", "m", "rbs", "default", task=task, index=i, meta={})
+    assert build.main(["--results", str(tmp_path), "--paper-values", str(VALUES)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tasks all, cot" in err[0] and "results_dir" in err[0]

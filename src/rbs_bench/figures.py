@@ -22,7 +22,8 @@ import pandas as pd
 
 from rbs_bench.methods import DENSE
 from rbs_bench.report import load_records
-from rbs_bench.tables import cell_means, context_label, display, method_order
+from rbs_bench.tables.layout import cell_means
+from rbs_bench.tables.render import context_label, display, method_order
 
 MARKERS = "osD^vPX*h"
 

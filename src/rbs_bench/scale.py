@@ -193,7 +193,7 @@ def _paper_calibration(values: Path) -> dict[str, dict[str, str]]:
     """Table 11's cells by display row: {row: {column: value}}."""
     if not values.exists():
         return {}
-    from rbs_bench.tables import PaperValues
+    from rbs_bench.tables.paper import PaperValues
 
     out: dict[str, dict[str, str]] = {}
     for (table, row, column), cell in PaperValues.load(values).cells.items():

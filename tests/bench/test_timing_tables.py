@@ -9,8 +9,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from rbs_bench.bench import timing_tables, ttft
-from rbs_bench.tables import PaperValues
+from rbs_bench.bench import ttft
+from rbs_bench.tables import timing
+from rbs_bench.tables.paper import PaperValues
 
 ROOT = Path(__file__).resolve().parents[2]
 H100 = "NVIDIA H100 80GB HBM3"
@@ -86,15 +87,15 @@ def test_h100_tables_show_ours_beside_the_paper_at_128k(results, tmp_path):
         if not f.name.startswith("ttft_"):  # the committed standalone attention runs
             shutil.copy(f, results / "speed")
     out = tmp_path / "tables"
-    written = timing_tables.build(results, out)
+    written = timing.build(results, out)
     names = {p.name for p in written}
-    for exp in timing_tables.EXPERIMENTS:
+    for exp in timing.EXPERIMENTS:
         assert {f"{exp}_{H100_TAG}.md", f"{exp}_{H100_TAG}.tex"} <= names
     assert (out / f"speed_{H100_TAG}.png").stat().st_size > 10_000
 
     pv = PaperValues.load(results / "paper" / "paper_values.csv")
     speed = (out / f"speed_{H100_TAG}.md").read_text()
-    alone = timing_tables.standalone_rows(results / "speed", H100_TAG)
+    alone = timing.standalone_rows(results / "speed", H100_TAG)
     rbs_alone = alone[(alone["method"] == "rbs") & (alone["n"] == 131072)]["speedup"].item()
     paper = [
         pv.get("fig:speed_3panel", f"{p}:128K", "RBS-Attention")
@@ -103,7 +104,7 @@ def test_h100_tables_show_ours_beside_the_paper_at_128k(results, tmp_path):
     x = f"{SPEEDUP['rbs']:.2f}x"
     row = speed.split("| RBS-Attention |")[1].split("\n")[0].split("|")  # the speedups table
     assert row[1].strip() == f"{rbs_alone:.2f}x / {x} / {x} ({' / '.join(paper)})"  # 128K
-    assert row[0].strip().endswith(f"{x} {timing_tables.FLAG}")  # rbs missed its target at 32K
+    assert row[0].strip().endswith(f"{x} {timing.FLAG}")  # rbs missed its target at 32K
     assert f"ttft_{H100_TAG}.csv" in speed and f"methods_128k_{H100_TAG}.csv" in speed
 
     memory = (out / f"memory_{H100_TAG}.md").read_text()
@@ -128,7 +129,7 @@ def test_other_devices_get_no_paper_values(results, tmp_path):
         results / "speed" / "ttft_cpu.csv", index=False
     )
     out = tmp_path / "tables"
-    timing_tables.build(results, out)
+    timing.build(results, out)
     speed = (out / "speed_cpu.md").read_text()
     assert "(20.65" not in speed and "not shown" in speed
     assert "| RBS-Attention | – / " in speed  # no standalone CSV for a CPU
@@ -137,7 +138,7 @@ def test_other_devices_get_no_paper_values(results, tmp_path):
 
 
 def test_build_without_csvs_writes_nothing(results, tmp_path):
-    assert timing_tables.build(results, tmp_path / "tables") == []
+    assert timing.build(results, tmp_path / "tables") == []
 
 
 def test_standalone_rows_prefer_the_later_methods_file(results):
@@ -152,10 +153,10 @@ def test_standalone_rows_prefer_the_later_methods_file(results):
     pd.DataFrame(
         [{**common, "n": 1024, "method": "rbs", "total_ms": 1.5, "speedup_vs_sdpa_fa2": 2.0}]
     ).to_csv(results / "speed" / "methods_1k_x.csv", index=False)
-    rows = timing_tables.standalone_rows(results / "speed", "x")
+    rows = timing.standalone_rows(results / "speed", "x")
     assert len(rows) == 1 and rows["speedup"].item() == 2.0  # the methods_* row wins
     (results / "speed" / "methods_1k_x.csv").unlink()
-    rows = timing_tables.standalone_rows(results / "speed", "x")
+    rows = timing.standalone_rows(results / "speed", "x")
     assert rows["speedup"].item() == 3.0  # best executor of the one file
 
 
@@ -164,7 +165,7 @@ def test_a_csv_with_two_settings_gets_one_set_of_tables_each(results, tmp_path):
     eight = four.assign(layers=8, model_desc="8 of 48 layers", ttft_ms=2 * four["ttft_ms"])
     pd.concat([four, eight]).to_csv(results / "speed" / "ttft_cpu.csv", index=False)
     out = tmp_path / "tables"
-    names = {p.name for p in timing_tables.build(results, out)}
+    names = {p.name for p in timing.build(results, out)}
     for layers in (4, 8):
         assert f"speed_cpu_qwen3_30b_a3b_{layers}l_bfloat16.md" in names
     eight_md = (out / "speed_cpu_qwen3_30b_a3b_8l_bfloat16.md").read_text()

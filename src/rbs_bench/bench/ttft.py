@@ -945,14 +945,14 @@ def run(s: Settings) -> pd.DataFrame:
 
 def _plot(s: Settings, df: pd.DataFrame) -> None:
     """The three-panel figure of this run's setting (the CSV may hold others)."""
-    from rbs_bench.bench import timing_tables
+    from rbs_bench.tables import timing
 
     same = (df["model"] == s.model) & (df["layers"] == s.layers)
     same &= (df["dtype"] == MODEL_DTYPES[s.model]) & (
         (df["method"] == methods.DENSE) | (df["target"] == s.target)
     )
-    standalone = timing_tables.standalone_rows(s.out, s.tag, s.target)
-    timing_tables.plot_speedup(df[same], standalone, s.figure)
+    standalone = timing.standalone_rows(s.out, s.tag, s.target)
+    timing.plot_speedup(df[same], standalone, s.figure)
 
 
 def _target(s: Settings, name: str) -> float:
@@ -1032,7 +1032,7 @@ def summary_markdown(df: pd.DataFrame) -> str:
 def run_experiment(cfg, experiment: str) -> list[Path]:
     """`python -m rbs_bench +experiment=<speed|memory|throughput|selector_time>`: run the pending
     rows, then write the experiment's tables (all four for another name) to <results_dir>/tables."""
-    from rbs_bench.bench import timing_tables
+    from rbs_bench.tables import timing
 
     if cfg.model.name != "tiny":
         raise UserError(
@@ -1045,8 +1045,8 @@ def run_experiment(cfg, experiment: str) -> list[Path]:
     df = run(s)
     if df.empty:
         raise UserError("no rows were timed; see the errors above")
-    names = [experiment] if experiment in timing_tables.EXPERIMENTS else timing_tables.EXPERIMENTS
-    paths = timing_tables.build_tables(
+    names = [experiment] if experiment in timing.EXPERIMENTS else timing.EXPERIMENTS
+    paths = timing.build_tables(
         s.csv, Path(cfg.results_dir), Path(cfg.results_dir) / "tables", names
     )
     for p in paths:
