@@ -1,3 +1,26 @@
-"""rbs-bench: a benchmark harness for sparse long-context prefill attention."""
+"""rbs-bench: a benchmark harness for sparse long-context prefill attention.
+
+Imports point one way: each layer below imports only from the layers above it, and the modules of
+one layer import each other without a cycle (the pipelines not at all). tests/test_import_cycles.py
+checks both on every module, function-level imports included.
+
+    kernels                      Triton kernels and their PyTorch references: torch and Triton only
+    methods, baselines           the selection API, the selectors, the registry (methods.build),
+                                 which finds the baselines and entry-point plugins
+    budget, execution            the one knob search; running a selection with an executor
+    synthetic, benchmarks        synthetic Q/K; benchmark prompts and scorers (their registry)
+    config                       config schemas, composed-config explanations, grid expansion
+    records, report, loggers     run records on disk, their summaries, wandb
+    models                       model loading, the attention hook, memory estimates
+    tinylm                       the embedded model's training mixture, trainer and weights
+    calibrations                 the calibration store: knobs per model, method, target, setting
+    session                      device, method with its budget, model and samples, cell paths
+    checks                       every check that runs before a model loads; preflight
+    tables, scale                tables and reports from records and CSVs, never a model
+    runner, calibrate,           the pipelines; none imports another
+      observations, bench, serving
+    figures                      the paper's figures, from records (observations' panels too)
+    __main__, slurm              the command line: a grid of cells, SLURM arrays
+"""
 
 __version__ = "0.1.0"

@@ -126,10 +126,9 @@ def build_model(config=None):
 
 
 def trained_dir() -> Path:
-    """Directory of the shipped trained model (config, safetensors weights, tokenizer)."""
-    from rbs_bench.tinylm import weights_dir
-
-    path = weights_dir()
+    """Directory of the shipped trained model (config, safetensors weights, tokenizer): the
+    package data `tinylm/weights/` (rbs_bench.tinylm trains it)."""
+    path = Path(__file__).resolve().parents[1] / "tinylm" / "weights"
     if not (path / "model.safetensors").is_file():
         raise ValueError(
             f"the shipped tiny model is missing ({path / 'model.safetensors'}); reinstall "
