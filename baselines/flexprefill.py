@@ -76,8 +76,7 @@ from rbs_bench.kernels.vertical_slash_attn import check_qk, coverage_count, top_
 from torch import Tensor
 
 from rbs_bench.methods.info import MethodInfo
-from rbs_bench.methods.rbs import _check_impl, _use_triton
-from rbs_bench.methods.selection import BlockSelection, check_inputs
+from rbs_bench.methods.selection import BlockSelection, check_impl, check_inputs, use_triton
 
 __all__ = [
     "FlexPrefill",
@@ -139,7 +138,7 @@ class FlexPrefill:
                 f"max_budget must be null or an integer >= min_budget ({self.min_budget}) and "
                 f">= 1 (tokens), got {self.max_budget!r}"
             )
-        _check_impl(self.impl)
+        check_impl(self.impl)
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -176,8 +175,8 @@ class FlexPrefill:
         return BlockSelection.from_mask(keep, bs, bs, n)
 
     def _fast(self, q: Tensor) -> bool:
-        """The Triton path (see `_use_triton`); "auto" keeps the reference where it cannot run."""
-        if not _use_triton(self.impl, q.device):
+        """The Triton path (see `use_triton`); "auto" keeps the reference where it cannot run."""
+        if not use_triton(self.impl, q.device):
             return False
         if supported(self.block_size, q.shape[2], q.shape[-1]):
             return True

@@ -84,8 +84,7 @@ from rbs_bench.kernels.vertical_slash_attn import (
 from torch import Tensor
 
 from rbs_bench.methods.info import MethodInfo
-from rbs_bench.methods.rbs import _check_impl, _use_triton
-from rbs_bench.methods.selection import causal_block_mask, check_inputs
+from rbs_bench.methods.selection import causal_block_mask, check_impl, check_inputs, use_triton
 
 EXECUTORS = ("reference", "flex", "triton")
 
@@ -260,7 +259,7 @@ class MInference:
         _check_int("sink_tokens", self.sink_tokens, 0)
         _check_int("local_diagonals", self.local_diagonals, 0)
         _check_ratio(self.ratio)
-        _check_impl(self.impl)
+        check_impl(self.impl)
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -293,8 +292,8 @@ class MInference:
         return VerticalSlashPattern(cols, diags, n)
 
     def _fast(self, q: Tensor) -> bool:
-        """The Triton selector (see `_use_triton`); "auto" keeps the reference where it cannot."""
-        if not _use_triton(self.impl, q.device):
+        """The Triton selector (see `use_triton`); "auto" keeps the reference where it cannot."""
+        if not use_triton(self.impl, q.device):
             return False
         if estimate_supported(min(self.last_q, q.shape[2]), q.shape[-1]):
             return True
