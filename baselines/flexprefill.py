@@ -52,6 +52,8 @@ query-aware heads), on CUDA or under TRITON_INTERPRET=1; "auto" (the default) me
 CUDA when Triton is installed and block_size <= 128, else "torch". Both give the same selection up
 to entries whose running sum sits within rounding of a coverage target, blocks whose pooled masses
 tie within rounding, and heads whose distance sits within rounding of tau.
+`rbs_bench.bench.fast_paths` checks the two paths against each other and times them
+(`info.fast_path`), also at tau = 1, where every head is query-aware.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ from rbs_bench.kernels.flexprefill_select import (
 from rbs_bench.kernels.vertical_slash_attn import check_qk, coverage_count, top_mask
 from torch import Tensor
 
-from rbs_bench.methods.info import MethodInfo
+from rbs_bench.methods.info import FastPath, MethodInfo
 from rbs_bench.methods.selection import BlockSelection, check_impl, check_inputs, use_triton
 
 __all__ = [
@@ -111,6 +113,8 @@ class FlexPrefill:
         sweep=("tail", 0.0, 1.0 - 1e-4),
         style=("#e377c2", "X"),
         throughput=True,
+        # the Triton path's check also runs tau = 1: every head query-aware, the heaviest case
+        fast_path=FastPath(also=({"tau": 1.0},)),
     )
 
     def block_statistics(self, k: Tensor) -> list[tuple[str, Tensor]]:
