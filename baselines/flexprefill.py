@@ -52,6 +52,8 @@ query-aware heads), on CUDA or under TRITON_INTERPRET=1; "auto" (the default) me
 CUDA when Triton is installed and block_size <= 128, else "torch". Both give the same selection up
 to entries whose running sum sits within rounding of a coverage target, blocks whose pooled masses
 tie within rounding, and heads whose distance sits within rounding of tau.
+`rbs_bench.bench.fast_paths` checks the two paths against each other and times them
+(`info.fast_path`), also at tau = 1, where every head is query-aware.
 """
 
 from __future__ import annotations
@@ -75,9 +77,8 @@ from rbs_bench.kernels.flexprefill_select import (
 from rbs_bench.kernels.vertical_slash_attn import check_qk, coverage_count, top_mask
 from torch import Tensor
 
-from rbs_bench.methods.info import MethodInfo
-from rbs_bench.methods.rbs import _check_impl, _use_triton
-from rbs_bench.methods.selection import BlockSelection, check_inputs
+from rbs_bench.methods.info import FastPath, MethodInfo
+from rbs_bench.methods.selection import BlockSelection, check_impl, check_inputs, use_triton
 
 __all__ = [
     "FlexPrefill",
@@ -112,6 +113,8 @@ class FlexPrefill:
         sweep=("tail", 0.0, 1.0 - 1e-4),
         style=("#e377c2", "X"),
         throughput=True,
+        # the Triton path's check also runs tau = 1: every head query-aware, the heaviest case
+        fast_path=FastPath(also=({"tau": 1.0},)),
     )
 
     def block_statistics(self, k: Tensor) -> list[tuple[str, Tensor]]:
@@ -139,7 +142,7 @@ class FlexPrefill:
                 f"max_budget must be null or an integer >= min_budget ({self.min_budget}) and "
                 f">= 1 (tokens), got {self.max_budget!r}"
             )
-        _check_impl(self.impl)
+        check_impl(self.impl)
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -176,8 +179,8 @@ class FlexPrefill:
         return BlockSelection.from_mask(keep, bs, bs, n)
 
     def _fast(self, q: Tensor) -> bool:
-        """The Triton path (see `_use_triton`); "auto" keeps the reference where it cannot run."""
-        if not _use_triton(self.impl, q.device):
+        """The Triton path (see `use_triton`); "auto" keeps the reference where it cannot run."""
+        if not use_triton(self.impl, q.device):
             return False
         if supported(self.block_size, q.shape[2], q.shape[-1]):
             return True

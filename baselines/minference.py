@@ -50,6 +50,8 @@ Where we deliberately differ from the public code (microsoft/MInference, minfere
   top-k (kernels/vertical_slash_attn.py: no [L, N] tensor, no sort), on CUDA or under
   TRITON_INTERPRET=1; "auto" (the default) means "triton" on CUDA when Triton is installed and
   last_q <= 128, else "torch". The lines agree up to estimates within rounding of each other.
+  `rbs_bench.bench.fast_paths` compares the two paths' columns and diagonals and times them, and
+  times the Triton and Flex executors on the Triton pattern (`info.fast_path`).
 - Density: the pattern is not block-level, so density (and head_density) is the fraction of causal
   128x128 block pairs the pattern touches, a pair counting as touched when any (q, k) in it with
   k <= q lies on a kept column or diagonal. That is the cost a block kernel would pay, and it is
@@ -83,9 +85,8 @@ from rbs_bench.kernels.vertical_slash_attn import (
 )
 from torch import Tensor
 
-from rbs_bench.methods.info import MethodInfo
-from rbs_bench.methods.rbs import _check_impl, _use_triton
-from rbs_bench.methods.selection import causal_block_mask, check_inputs
+from rbs_bench.methods.info import FastPath, MethodInfo
+from rbs_bench.methods.selection import causal_block_mask, check_impl, check_inputs, use_triton
 
 EXECUTORS = ("reference", "flex", "triton")
 
@@ -183,6 +184,16 @@ class VerticalSlashPattern:
         return self.diagonals.shape[-1] == self.seq_len and bool((self.diagonals >= 0).all())
 
 
+def pattern_difference(got: VerticalSlashPattern, want: VerticalSlashPattern) -> tuple[int, int]:
+    """(columns and diagonals kept by one pattern and not the other, those `want` keeps)."""
+    n = want.seq_len
+    differ = kept = 0
+    for g, w in ((got.columns, want.columns), (got.diagonals, want.diagonals)):
+        differ += int((membership(g, n) ^ membership(w, n)).sum())
+        kept += w.numel()
+    return differ, kept
+
+
 def _check_int(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -251,6 +262,9 @@ class MInference:
         style=("#7f7f7f", "*"),
         own_executor=True,  # a VerticalSlashPattern with its own attend
         throughput=True,
+        # the two selector paths differ in columns and diagonals; the Triton and Flex executors
+        # are timed and checked against FlexAttention on fp32 inputs
+        fast_path=FastPath(compare=pattern_difference, executors=("flex", "triton")),
     )
 
     def __post_init__(self) -> None:
@@ -260,7 +274,7 @@ class MInference:
         _check_int("sink_tokens", self.sink_tokens, 0)
         _check_int("local_diagonals", self.local_diagonals, 0)
         _check_ratio(self.ratio)
-        _check_impl(self.impl)
+        check_impl(self.impl)
 
     def fields(self) -> dict:
         return dataclasses.asdict(self)
@@ -293,8 +307,8 @@ class MInference:
         return VerticalSlashPattern(cols, diags, n)
 
     def _fast(self, q: Tensor) -> bool:
-        """The Triton selector (see `_use_triton`); "auto" keeps the reference where it cannot."""
-        if not _use_triton(self.impl, q.device):
+        """The Triton selector (see `use_triton`); "auto" keeps the reference where it cannot."""
+        if not use_triton(self.impl, q.device):
             return False
         if estimate_supported(min(self.last_q, q.shape[2]), q.shape[-1]):
             return True

@@ -54,8 +54,14 @@ from rbs_bench.kernels.triton_util import triton_available
 from torch import Tensor
 
 from rbs_bench.methods.info import MethodInfo
-from rbs_bench.methods.rbs import SELECTOR_TABLES, BlockSelector, _check_impl, _use_triton
-from rbs_bench.methods.selection import BlockSelection, candidate_mask
+from rbs_bench.methods.rbs import SELECTOR_TABLES
+from rbs_bench.methods.selection import (
+    BlockSelection,
+    BlockSelector,
+    candidate_mask,
+    check_impl,
+    use_triton,
+)
 
 __all__ = ["RATIO", "Quest", "box_scores_ref", "box_stats_ref", "top_fraction"]
 
@@ -88,7 +94,7 @@ class Quest(BlockSelector):
         r = self.ratio
         if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= 1):
             raise ValueError(f"ratio must be a number in [0, 1], got {r!r}")
-        _check_impl(self.impl)
+        check_impl(self.impl)
 
     def block_statistics(self, k: Tensor) -> list[tuple[str, Tensor]]:
         """The per-key-block box this rule reads from keys k [B, Hkv, N, D], built as `select`
@@ -100,7 +106,7 @@ class Quest(BlockSelector):
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)
         bs, n = self.block_size, q.shape[2]
-        if _use_triton(self.impl, q.device) and -(-n // bs) <= MAX_BLOCKS:
+        if use_triton(self.impl, q.device) and -(-n // bs) <= MAX_BLOCKS:
             forced = (self.sink_blocks, self.window_blocks, self.last_q_blocks)
             count, index = quest_select(q, *box_stats(k, bs), bs, self.ratio, *forced)
             return BlockSelection(count, index, bs, bs, n)

@@ -84,8 +84,7 @@ from rbs_bench.kernels.xattn_select import (
 from torch import Tensor
 
 from rbs_bench.methods.info import MethodInfo
-from rbs_bench.methods.rbs import _check_impl, _use_triton
-from rbs_bench.methods.selection import BlockSelection, check_inputs
+from rbs_bench.methods.selection import BlockSelection, check_impl, check_inputs, use_triton
 
 __all__ = [
     "STRIDES",
@@ -169,7 +168,7 @@ class XAttention:
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
         _check_stride(self.stride, self.block_size)
-        _check_impl(self.impl)
+        check_impl(self.impl)
         if not isinstance(self.upstream_first_chunk, bool):
             raise ValueError(
                 f"upstream_first_chunk must be true or false, got {self.upstream_first_chunk!r}"
@@ -202,8 +201,8 @@ class XAttention:
         return BlockSelection.from_mask(keep, bs, bs, n)
 
     def _fast(self, device: torch.device, n: int) -> bool:
-        """The Triton path (see `_use_triton`); "auto" keeps the reference where it cannot run."""
-        if self.upstream_first_chunk or not _use_triton(self.impl, device):
+        """The Triton path (see `use_triton`); "auto" keeps the reference where it cannot run."""
+        if self.upstream_first_chunk or not use_triton(self.impl, device):
             return False
         if supported(self.block_size, self.stride, n):
             return True

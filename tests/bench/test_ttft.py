@@ -150,6 +150,7 @@ def test_methods_without_block_summaries_report_none():
     k = torch.randn(1, 2, 512, 64)
     assert ttft.block_statistics(methods.build("xattn"), k) is None
     assert ttft.block_statistics(methods.build("minference"), k) is None
+    assert ttft.block_statistics(methods.build("oracle"), k) is None  # it reads the attention
 
 
 def test_cpu_peak_sees_a_freed_temporary():

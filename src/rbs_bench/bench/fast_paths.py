@@ -1,19 +1,19 @@
-"""Validate and time the Triton paths of flexprefill and minference against their PyTorch paths.
+"""Validate and time the methods' declared Triton selector paths against their PyTorch paths.
 
     python -m rbs_bench.bench.fast_paths                    # 64K and 128K, 32/4 heads, d 128, bf16
     python -m rbs_bench.bench.fast_paths --lengths 131072 --targets 0.05
 
-One GPU call checks that the fast paths select what the references select and times both. Per
-context length, on `rbs_bench.synthetic` inputs, each method's knob is calibrated (Triton path) to
-each target density, then:
-  flexprefill  selector time and workspace (peak device memory beyond the output lists) of
-               impl=torch and impl=triton, and how many kept block pairs differ between them;
-               also at tau = 1, where every head is query-aware (the heaviest case);
-  minference   the same for its selector (the estimate and top-k), with the columns and
-               diagonals that differ; then its executors on the Triton pattern: flex and triton
-               times, and each one's max error against FlexAttention run on fp32 inputs.
+The methods are those whose `MethodInfo.fast_path` is set (`--methods` picks among them), in table
+order. One GPU call checks that the fast paths select what the references select and times both.
+Per context length, on `rbs_bench.synthetic` inputs, each method's knob is calibrated (Triton path)
+to each target density; then, for the calibrated selector and each setting of its
+`FastPath.also`: selector time and workspace (peak device memory beyond the output) of
+impl=torch and impl=triton, and how many kept entries differ between them (`FastPath.compare`:
+block pairs by default). A method with `FastPath.executors` then has those executors of its own
+`attend` timed on the Triton selection, with each one's max error against the first executor run
+on fp32 inputs.
 `check` is "ok" when the selections differ in at most 0.1% of their kept entries (near-ties of the
-estimate) and the Triton executor's error is at most twice FlexAttention's bf16 error (+1e-3).
+estimate) and each executor's error is at most twice the first executor's bf16 error (+1e-3).
 Writes results/speed/fast_paths_<gpu>.csv (rewritten after each row) and prints a table.
 """
 
@@ -26,11 +26,15 @@ from pathlib import Path
 
 import torch
 
-from rbs_bench import synthetic
+from rbs_bench import methods, synthetic
 from rbs_bench.bench.attention import calibrate, do_bench, gpu_tag
-from rbs_bench.kernels.vertical_slash_attn import membership
 
 AGREE = 1e-3  # tolerated share of differing kept entries (ties of the estimate within rounding)
+
+
+def fast_path_methods() -> list[str]:
+    """The methods this check covers (those with `MethodInfo.fast_path`), in table order."""
+    return [m for m in methods.in_order(methods.registry()) if methods.info(m).fast_path]
 
 
 def peak_workspace_mib(fn) -> tuple[float, object]:
@@ -43,6 +47,12 @@ def peak_workspace_mib(fn) -> tuple[float, object]:
     peak = torch.cuda.max_memory_allocated() - base
     kept = torch.cuda.memory_allocated() - base
     return (peak - kept) / 2**20, out
+
+
+def block_difference(got, want) -> tuple[int, int]:
+    """(block pairs kept by one selection and not the other, pairs `want` keeps)."""
+    got, want = got.mask(), want.mask()
+    return int((got != want).sum()), int(want.sum())
 
 
 def _selector_rows(name: str, sel, q, k, common: dict, rep_ms: int) -> tuple[list[dict], dict]:
@@ -68,62 +78,63 @@ def _selector_rows(name: str, sel, q, k, common: dict, rep_ms: int) -> tuple[lis
     return rows, out
 
 
-def _flexprefill(q, k, target, common, rep_ms) -> list[dict]:
-    rows = []
-    sel, _ = calibrate("flexprefill", q, k, target)
-    for tau in (sel.tau, 1.0):
-        part, out = _selector_rows(
-            "flexprefill", dataclasses.replace(sel, tau=tau), q, k, common, rep_ms
-        )
-        got, want = out["triton"].mask(), out["torch"].mask()
-        differ = int((got != want).sum())
-        kept = max(1, int(want.sum()))
-        for row in part:
-            row.update(tau=tau, differ=differ, differ_share=differ / kept)
-            row["check"] = "ok" if differ <= AGREE * kept else "MISMATCH"
-        rows += part
-    return rows
-
-
-def _minference(q, k, v, target, common, rep_ms) -> list[dict]:
-    n = q.shape[2]
-    sel, _ = calibrate("minference", q, k, target)
-    rows, out = _selector_rows("minference", sel, q, k, common, rep_ms)
-    pat, ref = out["triton"], out["torch"]
-    differ = kept = 0
-    for got, want in ((pat.columns, ref.columns), (pat.diagonals, ref.diagonals)):
-        differ += int((membership(got, n) ^ membership(want, n)).sum())
-        kept += want.numel()
-    for row in rows:
-        row.update(differ=differ, differ_share=differ / max(kept, 1))
-        row["check"] = "ok" if differ <= AGREE * kept else "MISMATCH"
-
-    truth = pat.attend(q.float(), k.float(), v.float(), executor="flex")
-    errors = {}
-    for executor in ("flex", "triton"):
-        ms = do_bench(lambda e=executor: pat.attend(q, k, v, executor=e), rep_ms)
-        errors[executor] = (pat.attend(q, k, v, executor=executor).float() - truth).abs().max()
+def _executor_rows(name, sel, pattern, q, k, v, executors, common, rep_ms) -> list[dict]:
+    """Time each executor of `pattern.attend`; errors against the first one run in fp32."""
+    truth = pattern.attend(q.float(), k.float(), v.float(), executor=executors[0])
+    rows, errors = [], {}
+    for executor in executors:
+        ms = do_bench(lambda e=executor: pattern.attend(q, k, v, executor=e), rep_ms)
+        errors[executor] = (pattern.attend(q, k, v, executor=executor).float() - truth).abs().max()
         rows.append(
             {
                 **common,
-                "method": "minference",
+                "method": name,
                 "stage": "executor",
                 "path": executor,
                 "knob": getattr(sel, sel.knob),
-                "density": round(pat.density(), 5),
+                "density": round(pattern.density(), 5),
                 "ms": ms,
                 "max_err_vs_fp32": float(errors[executor]),
             }
         )
     del truth
-    ok = errors["triton"] <= 2 * errors["flex"] + 1e-3
-    for row in rows[-2:]:
+    ok = all(errors[e] <= 2 * errors[executors[0]] + 1e-3 for e in executors[1:])
+    for row in rows:
         row["check"] = "ok" if ok else "MISMATCH"
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    cols = ["n", "method", "stage", "path", "tau", "density", "ms", "workspace_mib", "differ"]
+def varied_fields(names) -> list[str]:
+    """The fields the `FastPath.also` settings of these methods set, in order of appearance."""
+    also = (s for m in names for s in methods.info(m).fast_path.also)
+    return list(dict.fromkeys(f for setting in also for f in setting))
+
+
+def method_rows(name: str, q, k, v, target: float, common: dict, rep_ms: int) -> list[dict]:
+    """Every row of one method at one target density, as its `MethodInfo.fast_path` asks."""
+    fast = methods.info(name).fast_path
+    compare = fast.compare or block_difference
+    sel, _ = calibrate(name, q, k, target)
+    calibrated = {f: getattr(sel, f) for f in varied_fields([name])}
+    rows, pattern = [], None
+    for setting in (calibrated, *fast.also):
+        part, out = _selector_rows(name, dataclasses.replace(sel, **setting), q, k, common, rep_ms)
+        if pattern is None and fast.executors:
+            pattern = out["triton"]  # the calibrated setting's Triton selection
+        differ, kept = compare(out["triton"], out["torch"])
+        kept = max(kept, 1)
+        for row in part:
+            row.update(setting, differ=differ, differ_share=differ / kept)
+            row["check"] = "ok" if differ <= AGREE * kept else "MISMATCH"
+        rows += part
+    if fast.executors:
+        rows += _executor_rows(name, sel, pattern, q, k, v, fast.executors, common, rep_ms)
+    return rows
+
+
+def print_table(rows: list[dict], varied: list[str]) -> None:
+    """One line per row; `varied`: the fields of the `FastPath.also` settings, after the path."""
+    cols = ["n", "method", "stage", "path", *varied, "density", "ms", "workspace_mib", "differ"]
     cols += ["max_err_vs_fp32", "check"]
     print(" | ".join(cols))
     for r in rows:
@@ -138,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[65536, 131072])
     ap.add_argument("--targets", type=float, nargs="+", default=[0.05])
-    ap.add_argument("--methods", nargs="+", default=["flexprefill", "minference"])
+    choices = fast_path_methods()
+    ap.add_argument("--methods", nargs="+", default=choices, help=f"among {', '.join(choices)}")
     ap.add_argument("--heads", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=128)
@@ -146,12 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement")
     ap.add_argument("--out", type=Path, default=Path("results/speed"))
     args = ap.parse_args(argv)
+    unknown = [m for m in args.methods if m not in choices]
+    if unknown:
+        print(
+            f"rbs-bench: error: --methods takes the methods with a Triton fast path "
+            f"({', '.join(choices)}); got {', '.join(unknown)}",
+            file=sys.stderr,
+        )
+        return 2
     if not torch.cuda.is_available():
         print("rbs-bench: error: the fast-path check needs a CUDA device", file=sys.stderr)
-        return 2
-    unknown = sorted(set(args.methods) - {"flexprefill", "minference"})
-    if unknown:
-        print(f"rbs-bench: error: --methods takes flexprefill, minference; got {unknown}")
         return 2
     import pandas as pd
     from tqdm import tqdm
@@ -170,13 +186,10 @@ def main(argv: list[str] | None = None) -> int:
             data_n = n
         common = {"gpu": torch.cuda.get_device_name(), "n": n, "target": target}
         common.update(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim)
-        if method == "flexprefill":
-            rows += _flexprefill(data.q, data.k, target, common, args.rep_ms)
-        else:
-            rows += _minference(data.q, data.k, data.v, target, common, args.rep_ms)
+        rows += method_rows(method, data.q, data.k, data.v, target, common, args.rep_ms)
         pd.DataFrame(rows).to_csv(csv, index=False)
         torch.cuda.empty_cache()
-    print_table(rows)
+    print_table(rows, varied_fields(args.methods))
     print(f"wrote {csv}")
     bad = [r for r in rows if r.get("check") == "MISMATCH"]
     return 1 if bad else 0

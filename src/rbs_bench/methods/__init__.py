@@ -22,7 +22,7 @@ import dataclasses
 from importlib.metadata import entry_points
 
 from rbs_bench.methods.dense import Dense
-from rbs_bench.methods.info import MethodInfo
+from rbs_bench.methods.info import FastPath, MethodInfo
 from rbs_bench.methods.oracle import Oracle
 from rbs_bench.methods.rbs import RBS, Centroid, FullL2
 from rbs_bench.methods.selection import BlockSelection, Selector
@@ -34,6 +34,7 @@ DENSE = Dense.name  # the reference of every table
 __all__ = [
     "DENSE",
     "BlockSelection",
+    "FastPath",
     "MethodInfo",
     "Selector",
     "UnknownMethodError",

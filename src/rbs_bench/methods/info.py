@@ -8,11 +8,31 @@ selector class with its `info`. A class without `info` gets `MethodInfo(display=
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 # The spacings of an observations sweep (see `MethodInfo.sweep`).
 SPACINGS = ("log", "lin", "tail")
+
+
+@dataclass(frozen=True)
+class FastPath:
+    """What `rbs_bench.bench.fast_paths` checks and times of one selector besides its calibrated
+    setting's two selector paths.
+
+    also       further field settings whose two paths are checked and timed too, e.g.
+               ({"tau": 1.0},); every row of the method records the fields they set
+    compare    (Triton selection, PyTorch selection) -> (kept entries in one and not the other,
+               entries the PyTorch selection keeps); None: their block masks are compared
+    executors  executors of the selection's own `attend`, timed on the calibrated Triton
+               selection; the first is the reference: its run on fp32 inputs is the truth every
+               executor's error is measured against
+    """
+
+    also: tuple[Mapping[str, Any], ...] = ()
+    compare: Callable[[Any, Any], tuple[int, int]] | None = None
+    executors: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,6 +59,9 @@ class MethodInfo:
     compare      in the default method lists of the comparison studies (observations, timing);
                  False for methods that are not a prefill contender (e.g. one that reads the
                  dense attention itself)
+    fast_path    a `FastPath`: `rbs_bench.bench.fast_paths` checks its Triton selector path
+                 (impl="triton") against its PyTorch path (impl="torch") and times both; None:
+                 not part of that check
     """
 
     display: str
@@ -53,6 +76,7 @@ class MethodInfo:
     throughput: bool = False
     reference: bool = False
     compare: bool = True
+    fast_path: FastPath | None = None
 
     def __post_init__(self) -> None:
         if self.sweep is not None and self.sweep[0] not in SPACINGS:

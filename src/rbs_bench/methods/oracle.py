@@ -24,12 +24,14 @@ from rbs_bench.kernels.block_mass import block_mass, block_mass_ref
 from rbs_bench.kernels.quest_select import MAX_BLOCKS, top_fraction, top_fraction_select
 from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.methods.info import MethodInfo
-from rbs_bench.methods.rbs import BlockSelector, _check_impl, _use_triton
 from rbs_bench.methods.selection import (
     BlockSelection,
+    BlockSelector,
     candidate_mask,
     causal_block_mask,
+    check_impl,
     forced_mask,
+    use_triton,
 )
 
 RATIO = 0.1
@@ -68,7 +70,7 @@ class Oracle(BlockSelector):
         r = self.ratio
         if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= 1):
             raise ValueError(f"ratio must be a number in [0, 1], got {r!r}")
-        _check_impl(self.impl)
+        check_impl(self.impl)
 
     def density_curve(self, q: Tensor, k: Tensor, scale, values) -> np.ndarray:
         """Density [V] at each ratio in `values`, exact, from one block-mass pass (what `select`
@@ -96,7 +98,7 @@ class Oracle(BlockSelector):
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)
         bs, n = self.block_size, q.shape[2]
-        if _use_triton(self.impl, q.device) and -(-n // bs) <= MAX_BLOCKS:
+        if use_triton(self.impl, q.device) and -(-n // bs) <= MAX_BLOCKS:
             mass = block_mass(q, k.to(q.dtype), bs, scale)
             forced = (self.sink_blocks, self.window_blocks, self.last_q_blocks)
             count, index = top_fraction_select(mass, self.ratio, *forced)

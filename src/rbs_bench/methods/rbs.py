@@ -34,20 +34,20 @@ from torch import Tensor
 from rbs_bench.kernels.block_scores import block_scores_ref
 from rbs_bench.kernels.block_stats import block_stats, block_stats_ref, rescue_beta, rescue_beta_ref
 from rbs_bench.kernels.rbs_select import rbs_select
-from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.selection import (
     BlockSelection,
+    BlockSelector,
     candidate_mask,
-    check_inputs,
-    forced_mask,
+    check_impl,
     num_blocks,
     relative_threshold,
+    use_triton,
 )
 
 ALPHA_BASE = 0.22
 ALPHA_RESCUE = 0.18
-IMPLS = ("auto", "torch", "triton")
 # The paper's selector tables (comparison, task-group breakdown) and block-size table.
 SELECTOR_TABLES = ("tab:selector_ablation", "tab:selector_breakdown")
 BLOCK_TABLE = "tab:block_sensitivity"
@@ -59,29 +59,8 @@ def _check_alpha(name: str, value: float) -> None:
 
 
 @dataclass(frozen=True)
-class BlockSelector:
-    """Fields every block selector shares: block size and the forced blocks (FlashPrefill's)."""
-
-    block_size: int = 128
-    sink_blocks: int = 2
-    window_blocks: int = 4
-    last_q_blocks: int = 2
-
-    is_dense = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
-        for f in ("sink_blocks", "window_blocks", "last_q_blocks"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or v < 0:
-                raise ValueError(f"{f} must be an integer >= 0, got {v!r}")
-
-    def fields(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def with_knob(self, value: float) -> BlockSelector:
-        return dataclasses.replace(self, **{self.knob: value})
+class _Family(BlockSelector):
+    """The key-block statistics the three variants read: the centroid and `rescue_parts` more."""
 
     def block_statistics(self, k: Tensor) -> list[tuple[str, Tensor]]:
         """The per-key-block summaries this rule reads from keys k [B, Hkv, N, D], built as
@@ -96,38 +75,8 @@ class BlockSelector:
             parts.append(("beta", (rescue_beta if fast else rescue_beta_ref)(radius)))
         return parts
 
-    def _check(self, q: Tensor, k: Tensor) -> None:
-        check_inputs(q, k)
 
-    def _finish(self, keep: Tensor, n: int) -> BlockSelection:
-        """keep bool [B, Hq, M, M] from the branches; add forced blocks and compact."""
-        m = keep.shape[-1]
-        forced = forced_mask(
-            m, self.sink_blocks, self.window_blocks, self.last_q_blocks, keep.device
-        )
-        return BlockSelection.from_mask(keep | forced, self.block_size, self.block_size, n)
-
-
-def _check_impl(impl: str) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
-
-
-def _use_triton(impl: str, device: torch.device) -> bool:
-    """Resolve impl for tensors on `device`: True for the Triton kernels, False for torch."""
-    if impl == "torch":
-        return False
-    if impl == "auto":
-        return device.type == "cuda" and triton_available()
-    if device.type != "cuda" and not INTERPRET:
-        raise ValueError(
-            f"impl='triton' needs CUDA tensors (got {device.type}), or TRITON_INTERPRET=1 set "
-            "before Python starts for Triton's CPU interpreter; use impl='auto' or 'torch'"
-        )
-    return True
-
-
-def _select_triton(sel: BlockSelector, q, k, scale, alphas, branches: str, beta: bool):
+def _select_triton(sel: _Family, q, k, scale, alphas, branches: str, beta: bool):
     """The fused path: key-block stats, then scoring, thresholds, forced blocks and compaction.
 
     The rescue uplift is r * beta (rbs) or r (full_l2, beta = 1); the base branch needs none.
@@ -150,7 +99,7 @@ def _select_triton(sel: BlockSelector, q, k, scale, alphas, branches: str, beta:
 
 
 @dataclass(frozen=True)
-class RBS(BlockSelector):
+class RBS(_Family):
     """Dual-branch radius-bounded selection. Knob: one scale s on the pair (0.22 s, 0.18 s)."""
 
     alpha_base: float = ALPHA_BASE
@@ -180,7 +129,7 @@ class RBS(BlockSelector):
         super().__post_init__()
         _check_alpha("alpha_base", self.alpha_base)
         _check_alpha("alpha_rescue", self.alpha_rescue)
-        _check_impl(self.impl)
+        check_impl(self.impl)
 
     def with_knob(self, value: float) -> RBS:
         _check_alpha(self.knob, value)
@@ -197,7 +146,7 @@ class RBS(BlockSelector):
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)
-        if _use_triton(self.impl, q.device):
+        if use_triton(self.impl, q.device):
             alphas = (self.alpha_base, self.alpha_rescue)
             return _select_triton(self, q, k, scale, alphas, "both", beta=True)
         centroid, radius = block_stats_ref(k, self.block_size)
@@ -210,7 +159,7 @@ class RBS(BlockSelector):
 
 
 @dataclass(frozen=True)
-class _SingleBranch(BlockSelector):
+class _SingleBranch(_Family):
     alpha: float = ALPHA_BASE
     impl: str = "auto"
 
@@ -221,7 +170,7 @@ class _SingleBranch(BlockSelector):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_alpha("alpha", self.alpha)
-        _check_impl(self.impl)
+        check_impl(self.impl)
 
     full_bound = False  # score with the full radius (beta = 1) instead of the centroid alone
 
@@ -231,7 +180,7 @@ class _SingleBranch(BlockSelector):
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)
-        if _use_triton(self.impl, q.device):
+        if use_triton(self.impl, q.device):
             branch = "rescue" if self.full_bound else "base"
             alphas = (self.alpha, self.alpha)  # rbs_select reads the one of the branch it runs
             return _select_triton(self, q, k, scale, alphas, branch, beta=False)

@@ -3,12 +3,16 @@
 A selector never runs attention. It returns a `BlockSelection`, whose `kv_count`/`kv_indices`
 are exactly the layout of PyTorch's `BlockMask.from_kv_blocks`, so the same selection can be
 executed by the PyTorch reference, FlexAttention, or a Triton kernel.
+
+`BlockSelector` holds the fields every block selector shares (block size, forced blocks);
+`check_impl` and `use_triton` read the `impl` field most selectors have (docs/design.md §3).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -23,17 +27,24 @@ from rbs_bench.kernels.block_sparse_attn import (
     block_lists_from_mask,
     block_mask_from_lists,
 )
+from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 
 __all__ = [
+    "IMPLS",
     "BlockSelection",
+    "BlockSelector",
     "Selector",
     "candidate_mask",
     "causal_block_mask",
+    "check_impl",
     "check_inputs",
     "forced_mask",
     "num_blocks",
     "relative_threshold",
+    "use_triton",
 ]
+
+IMPLS = ("auto", "torch", "triton")
 
 
 _FINITE_CHECKED = contextvars.ContextVar("rbs_bench_finite_checked", default=False)
@@ -163,3 +174,60 @@ class Selector(Protocol):
     is_dense: bool
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection: ...
+
+
+@dataclass(frozen=True)
+class BlockSelector:
+    """Fields every block selector shares: block size and the forced blocks (FlashPrefill's)."""
+
+    block_size: int = 128
+    sink_blocks: int = 2
+    window_blocks: int = 4
+    last_q_blocks: int = 2
+
+    is_dense = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        for f in ("sink_blocks", "window_blocks", "last_q_blocks"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{f} must be an integer >= 0, got {v!r}")
+
+    def fields(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def with_knob(self, value: float) -> BlockSelector:
+        return dataclasses.replace(self, **{self.knob: value})
+
+    def _check(self, q: Tensor, k: Tensor) -> None:
+        check_inputs(q, k)
+
+    def _finish(self, keep: Tensor, n: int) -> BlockSelection:
+        """keep bool [B, Hq, M, M] from the rule; add forced blocks and compact."""
+        m = keep.shape[-1]
+        forced = forced_mask(
+            m, self.sink_blocks, self.window_blocks, self.last_q_blocks, keep.device
+        )
+        return BlockSelection.from_mask(keep | forced, self.block_size, self.block_size, n)
+
+
+def check_impl(impl: str) -> None:
+    """Raise ValueError unless `impl` is one of IMPLS."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+
+
+def use_triton(impl: str, device: torch.device) -> bool:
+    """Resolve impl for tensors on `device`: True for the Triton kernels, False for torch."""
+    if impl == "torch":
+        return False
+    if impl == "auto":
+        return device.type == "cuda" and triton_available()
+    if device.type != "cuda" and not INTERPRET:
+        raise ValueError(
+            f"impl='triton' needs CUDA tensors (got {device.type}), or TRITON_INTERPRET=1 set "
+            "before Python starts for Triton's CPU interpreter; use impl='auto' or 'torch'"
+        )
+    return True
