@@ -8,12 +8,13 @@ Every caller drives the same search (`KnobSearch`) with its own measurement:
   methods at once.
 
 A step measures two things: the density at the step's knob, and a density curve, the same
-activations' density at many knob values at once (`density_curve`). For the relative-threshold
-selectors (rbs, centroid, full_l2, flashprefill) the curve is exact: each candidate block pair
-enters at one critical knob, L[i, b] - max_b' L[i, b'] against log(alpha), so a sorted list of
-those critical values gives the density at any knob. Other methods select once per knob value of
-a short grid. The next knob is where the curve meets the target, inside the bracket that the
-steps' measured densities leave (bisection otherwise), until the density is within the tolerance.
+activations' density at many knob values at once (`density_curve`). A selector may bring its own
+curve from one scoring (a `density_curve` method); one whose curve is exact at every knob value
+(`exact_curve = True`: the relative-threshold family of methods/rbs.py, where each candidate block
+pair enters at one critical knob) is read on a fine grid. Other methods select once per knob
+value of a short grid. The next knob is where the curve meets the target, inside the bracket that
+the steps' measured densities leave (bisection otherwise), until the density is within the
+tolerance.
 
 Nothing here imports Hydra: the benchmarks under `bench/` run on GPU machines without it.
 """
@@ -24,17 +25,6 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-
-from rbs_bench.kernels.block_scores import block_scores_ref
-from rbs_bench.kernels.block_stats import block_stats_ref, rescue_beta_ref
-from rbs_bench.methods.rbs import ALPHA_BASE, ALPHA_RESCUE, RBS, Centroid, FullL2
-from rbs_bench.methods.selection import (
-    candidate_mask,
-    causal_block_mask,
-    forced_mask,
-    num_blocks,
-)
 
 GRID = 12  # knob values per step for methods that select once per value
 FINE_GRID = 1025  # knob values per step of an exact (threshold) density curve
@@ -77,64 +67,18 @@ def knob_fields(selector) -> set[str]:
 
 
 def exact_curve_supported(selector) -> bool:
-    return isinstance(selector, (RBS, Centroid, FullL2))
-
-
-def threshold_curve(selector, q, k, scale, values) -> np.ndarray | None:
-    """Density [V] of `selector` re-knobbed to each of `values`, exact, for the relative-threshold
-    selectors (None for any other method).
-
-    q [B, Hq, N, D], k [B, Hkv, N, D]. A candidate pair (i, b) is kept at threshold alpha iff
-    log(alpha) <= L[i, b] - max_b' L[i, b']; for rbs at scale s iff log(s) is at most the larger
-    of the two branches' gaps less log(0.22) and log(0.18). A branch's top block (gap 0) and the
-    forced pairs are kept at every knob value of the range.
-    """
-    if not exact_curve_supported(selector):
-        return None
-    bs, n, dev = selector.block_size, q.shape[2], q.device
-    centroid, radius = block_stats_ref(k, bs)
-    if isinstance(selector, RBS):
-        uplifts = [None, radius * rescue_beta_ref(radius)]
-        offsets = [math.log(ALPHA_BASE), math.log(ALPHA_RESCUE)]
-    else:
-        uplifts = [radius if selector.full_bound else None]
-        offsets = [0.0]
-    scores = block_scores_ref(q, centroid, uplifts, bs, scale)  # each fp32 [B, Hq, M, M]
-    m = num_blocks(n, bs)
-    cand = candidate_mask(m, dev)
-    causal = causal_block_mask(n, bs, bs, dev)
-    forced = forced_mask(
-        m, selector.sink_blocks, selector.window_blocks, selector.last_q_blocks, dev
-    )
-    forced = forced & causal
-    free = cand & ~forced
-    crit = None
-    for s, offset in zip(scores, offsets):
-        masked = s.masked_fill(~cand, -math.inf)
-        gap = masked - masked.amax(-1, keepdim=True)
-        # a branch's top block is kept over the whole knob range (alpha is at most 1)
-        gap = torch.where(gap == 0, math.inf, gap - offset)
-        crit = gap if crit is None else torch.maximum(crit, gap)
-    heads = q.shape[0] * q.shape[1]
-    critical = crit[..., free].reshape(-1).sort().values  # [heads * free pairs]
-    log_v = torch.log(torch.as_tensor(values, dtype=torch.float64, device=dev)).to(critical.dtype)
-    kept = critical.numel() - torch.searchsorted(critical, log_v)  # pairs with log(v) <= critical
-    total = heads * int(causal.sum())
-    return ((heads * int(forced.sum()) + kept).double() / total).cpu().numpy()
+    """Whether the selector's own `density_curve` is exact at every knob value (the RBS family):
+    the search then reads it on a fine grid."""
+    return bool(getattr(selector, "exact_curve", False))
 
 
 def density_curve(selector, q, k, scale, values) -> np.ndarray:
     """Density [V] of `selector` at each knob value on one layer's q [B, Hq, N, D], k (a selector
     with its own `density_curve` computes it from one scoring)."""
     own = getattr(selector, "density_curve", None)
-    curve = (
-        threshold_curve(selector, q, k, scale, values) if own is None else own(q, k, scale, values)
-    )
-    if curve is None:
-        curve = np.asarray(
-            [selector.with_knob(v).select(q, k, scale=scale).density() for v in values]
-        )
-    return curve
+    if own is not None:
+        return own(q, k, scale, values)
+    return np.asarray([selector.with_knob(v).select(q, k, scale=scale).density() for v in values])
 
 
 @dataclass

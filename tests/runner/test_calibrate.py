@@ -106,7 +106,7 @@ def test_threshold_curve_is_the_selection_density_at_every_knob(name, n, block):
     q, k = _qk(n)
     sel = methods.build(name, block_size=block)
     values = budget.knob_grid(sel, 1e-3, budget.knob_range(sel)[1], 11)
-    curve = budget.threshold_curve(sel, q, k, None, values)
+    curve = sel.density_curve(q, k, None, values)
     direct = [sel.with_knob(v).select(q, k).density() for v in values]
     pairs = q.shape[1] * sel.with_knob(1.0).select(q, k).causal_pairs()
     assert len(set(direct)) > 1  # the knob moves the selection here
@@ -132,7 +132,7 @@ def test_rbs_scale_has_no_step_where_alpha_base_reaches_one():
     d_below, d_above = below.select(q, k).density(), above.select(q, k).density()
     assert d_above == d_below
     assert literal.select(q, k).density() < d_above  # the step the clamp removes, on this input
-    curve = budget.threshold_curve(sel, q, k, None, [s_one * (1 - 1e-6), s_one * (1 + 1e-6)])
+    curve = sel.density_curve(q, k, None, [s_one * (1 - 1e-6), s_one * (1 + 1e-6)])
     assert curve.tolist() == pytest.approx([d_below, d_above], abs=1e-12)
     # at the range's end each branch keeps exactly its top block: every row past the first
     # keeps the diagonal and at least one more block
@@ -144,8 +144,12 @@ def test_curves_of_other_methods_come_from_selections():
     from rbs_bench import methods
 
     q, k = _qk(512)
-    assert budget.threshold_curve(methods.build("quest"), q, k, None, [0.5]) is None
+    quest = methods.build("quest", block_size=64)
+    assert not hasattr(quest, "density_curve")
+    want = [quest.with_knob(r).select(q, k).density() for r in (0.2, 0.5)]
+    assert budget.density_curve(quest, q, k, None, [0.2, 0.5]).tolist() == want
     assert not budget.exact_curve_supported(methods.build("xattn"))
+    assert budget.exact_curve_supported(methods.build("rbs"))
 
 
 def test_invert_meets_the_target_on_the_knob_scale():

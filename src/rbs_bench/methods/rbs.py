@@ -28,6 +28,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -40,7 +41,9 @@ from rbs_bench.methods.selection import (
     BlockSelection,
     BlockSelector,
     candidate_mask,
+    causal_block_mask,
     check_impl,
+    forced_mask,
     num_blocks,
     relative_threshold,
     use_triton,
@@ -60,7 +63,50 @@ def _check_alpha(name: str, value: float) -> None:
 
 @dataclass(frozen=True)
 class _Family(BlockSelector):
-    """The key-block statistics the three variants read: the centroid and `rescue_parts` more."""
+    """The key-block statistics the three variants read (the centroid and `rescue_parts` more),
+    and their exact density curve."""
+
+    # density_curve is exact at every knob value: the knob search reads it on a fine grid
+    # (rbs_bench.budget.FINE_GRID) instead of selecting once per value of a short one
+    exact_curve = True
+
+    def _curve_branches(self, radius: Tensor) -> tuple[list, list[float]]:
+        """Per branch: the score's uplift (None: the centroid alone) and log of its threshold at
+        knob value 1."""
+        raise NotImplementedError
+
+    def density_curve(self, q: Tensor, k: Tensor, scale, values) -> np.ndarray:
+        """Density [V] at each knob value in `values`, exact, from one scoring (what `select` at
+        that value measures, up to rounding at a threshold).
+
+        q [B, Hq, N, D], k [B, Hkv, N, D]. A candidate pair (i, b) is kept at threshold alpha iff
+        log(alpha) <= L[i, b] - max_b' L[i, b']; for rbs at scale s iff log(s) is at most the
+        larger of the two branches' gaps less log(0.22) and log(0.18). A branch's top block (gap
+        0) and the forced pairs are kept at every knob value of the range.
+        """
+        bs, n, dev = self.block_size, q.shape[2], q.device
+        centroid, radius = block_stats_ref(k, bs)
+        uplifts, offsets = self._curve_branches(radius)
+        scores = block_scores_ref(q, centroid, uplifts, bs, scale)  # each fp32 [B, Hq, M, M]
+        m = num_blocks(n, bs)
+        cand = candidate_mask(m, dev)
+        causal = causal_block_mask(n, bs, bs, dev)
+        forced = forced_mask(m, self.sink_blocks, self.window_blocks, self.last_q_blocks, dev)
+        forced = forced & causal
+        free = cand & ~forced
+        crit = None
+        for s, offset in zip(scores, offsets):
+            masked = s.masked_fill(~cand, -math.inf)
+            gap = masked - masked.amax(-1, keepdim=True)
+            # a branch's top block is kept over the whole knob range (alpha is at most 1)
+            gap = torch.where(gap == 0, math.inf, gap - offset)
+            crit = gap if crit is None else torch.maximum(crit, gap)
+        heads = q.shape[0] * q.shape[1]
+        critical = crit[..., free].reshape(-1).sort().values  # [heads * free pairs]
+        log_v = torch.log(torch.as_tensor(values, dtype=torch.float64, device=dev))
+        kept = critical.numel() - torch.searchsorted(critical, log_v.to(critical.dtype))
+        total = heads * int(causal.sum())
+        return ((heads * int(forced.sum()) + kept).double() / total).cpu().numpy()
 
     def block_statistics(self, k: Tensor) -> list[tuple[str, Tensor]]:
         """The per-key-block summaries this rule reads from keys k [B, Hkv, N, D], built as
@@ -139,6 +185,10 @@ class RBS(_Family):
             alpha_rescue=min(ALPHA_RESCUE * value, 1.0),
         )
 
+    def _curve_branches(self, radius: Tensor) -> tuple[list, list[float]]:
+        uplifts = [None, radius * rescue_beta_ref(radius)]
+        return uplifts, [math.log(ALPHA_BASE), math.log(ALPHA_RESCUE)]
+
     @property
     def alpha_scale(self) -> float:
         """The scale s this pair is at (the larger of the two ratios; both for the default pair)."""
@@ -177,6 +227,9 @@ class _SingleBranch(_Family):
     @property
     def rescue_parts(self) -> int:
         return int(self.full_bound)
+
+    def _curve_branches(self, radius: Tensor) -> tuple[list, list[float]]:
+        return [radius if self.full_bound else None], [0.0]
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> BlockSelection:
         self._check(q, k)
