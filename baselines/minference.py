@@ -123,6 +123,13 @@ class VerticalSlashPattern:
         m = math.ceil(self.seq_len / self.block_size)
         return *self.columns.shape[:2], m, m
 
+    @staticmethod
+    def kept_masses(q: Tensor, k: Tensor, scale: float | None, patterns: list) -> list[Tensor]:
+        """`kept_mass` of several patterns from one dense pass (`pattern_mass`). A selection that
+        is no block mask brings this, so that analyses such as rbs_bench.observations measure
+        it without knowing the method."""
+        return pattern_mass(q, k, scale, patterns)
+
     def mask(self) -> Tensor:
         """bool [B, H, Mq, Mk]: block pairs the pattern touches; for tests and small inputs."""
         return vertical_slash_block_mask(

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
-from rbs_bench.baselines.minference import MInference
+from rbs_bench.baselines.minference import MInference, pattern_mass
 from rbs_bench.kernels.block_mass import block_mass_ref, causal_softmax_chunks
 
 from rbs_bench import config, observations, synthetic
@@ -133,7 +133,7 @@ def test_pattern_mass_matches_token_mask():
     base = MInference(vertical_size=40, slash_size=60, last_q=16, sink_tokens=3, local_diagonals=5)
     pats = [base.with_knob(r).select(q, k) for r in (0.1, 0.5, 5.0)]
     probs = torch.cat([p for _, _, p in causal_softmax_chunks(q, k, chunk=64)], 2)
-    for pat, got in zip(pats, observations.pattern_mass(q, k, None, pats, chunk=48)):
+    for pat, got in zip(pats, pattern_mass(q, k, None, pats, chunk=48)):
         torch.testing.assert_close(got, (probs * pat.token_mask()).sum((-1, -2)))
 
 

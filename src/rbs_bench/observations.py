@@ -61,9 +61,8 @@ import torch
 from torch import Tensor
 
 from rbs_bench import methods
-from rbs_bench.baselines.minference import pattern_mass
-from rbs_bench.baselines.quest import top_fraction
 from rbs_bench.config import UserError
+from rbs_bench.kernels.quest_select import top_fraction
 from rbs_bench.methods.oracle import true_block_mass
 from rbs_bench.methods.scorers import (
     LABELLED,
@@ -212,9 +211,9 @@ def analyse(q: Tensor, k: Tensor, scale: float | None, settings: Settings) -> An
         sels = [base if v is None else base.with_knob(v) for v in values]
         picks = [s.select(q, k, scale=scale) for s in sels]
         dens, cov = [], []
-        if picks and not isinstance(picks[0], BlockSelection):  # a token pattern (MInference)
+        if picks and not isinstance(picks[0], BlockSelection):  # e.g. a token-level pattern
             pats = [dataclasses.replace(p, block_size=bs) for p in picks]
-            kept = pattern_mass(q, k, scale, pats)
+            kept = type(pats[0]).kept_masses(q, k, scale, pats)
             for p, km in zip(pats, kept):
                 dens.append(float(p.head_density().mean()))
                 cov.append(float(km.mean()) / n)
