@@ -566,3 +566,18 @@ def test_a_longbench_row_of_two_tasks_is_refused(tmp_path, capsys):
     assert build.main(["--results", str(tmp_path), "--paper-values", str(VALUES)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tasks all, cot" in err[0] and "results_dir" in err[0]
+
+
+def test_row_tables_gain_a_recall_column_and_grid_cells_a_recall_part(tmp_path):
+    for method, recall in (("dense", 1.0), ("rbs", 0.8), ("oracle", None)):
+        extra = {} if recall is None else {"recall": recall}
+        meta = {"length": "short"}
+        _rec(tmp_path, "longbench_v2", "m", method, "default", task="all", meta=meta, **extra)
+        _rec(tmp_path, "infinitebench", "m", method, "default", task="passkey", **extra)
+    tables = _tables(tmp_path)
+    rows = _md_rows(tables["longbench_v2_m.md"])
+    assert rows["Method"][-1] == "Recall (%)"
+    assert [rows[m][-1] for m in ("Dense", "RBS-Attention", "Oracle")] == ["100.0", "80.0", "–"]
+    ib = tables["infinitebench_m.md"]
+    assert "attention recall (%) after the slash" in ib
+    assert _md_rows(ib)["Ret.PassKey"][:2] == ["0.000 / 100.00", "**0.000** / 80.00"]

@@ -210,7 +210,11 @@ class GridSpec:
         if self.recall and has_recall(df):
             spec = dataclasses.replace(
                 self,
-                title=self.title.replace("density / accuracy", "density / accuracy / recall"),
+                title=(
+                    self.title.replace("density / accuracy", "density / accuracy / recall")
+                    if "density / accuracy" in self.title
+                    else f"{self.title}, each cell's attention recall (%) after the slash"
+                ),
                 metrics=(*self.metrics, RECALL),
                 notes=(*self.notes, RECALL_NOTE),
             )
@@ -400,6 +404,12 @@ class Column:
         return Cell(tuple(self._format(x) for x in parts), template=self.template)
 
 
+def _mean_recall(df: pd.DataFrame) -> float:
+    """Attention recall (percent) of a row: the mean over its samples (– where none recorded)."""
+    have = df["recall"].dropna() if "recall" in df else df.iloc[:0]
+    return 100 * float(have.mean()) if len(have) else math.nan
+
+
 @dataclass(frozen=True)
 class RowSpec:
     """One row per value of the `keys` fields, with computed columns, one table per `split`."""
@@ -417,15 +427,22 @@ class RowSpec:
     split: tuple[str, ...] = ("context_length",)
     notes: tuple[str, ...] = ()
     sample_note: bool = True
+    recall: bool = False  # add a recall column when the records hold one
 
     def build(self, df: pd.DataFrame, experiment: str, model: str, pv: PaperValues) -> list[Table]:
         df = self.derive(df.assign(model=df["model"] if "model" in df else model))
-        split = [k for k in self.split if k in df]
+        spec = self
+        if self.recall and has_recall(df):
+            column = Column("Recall (%)", _mean_recall, ".1f")
+            spec = dataclasses.replace(
+                self, columns=(*self.columns, column), notes=(*self.notes, RECALL_NOTE)
+            )
+        split = [k for k in spec.split if k in df]
         parts = df.groupby(split, sort=True) if split else [((), df)]
         tables = []
         for values, sub in parts:
             values = values if isinstance(values, tuple) else (values,)
-            tables.append(self._table(sub, experiment, model, dict(zip(split, values)), pv))
+            tables.append(spec._table(sub, experiment, model, dict(zip(split, values)), pv))
         return tables
 
     def _table(self, df, experiment, model, where, pv) -> Table:
