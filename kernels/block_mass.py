@@ -12,8 +12,10 @@ dense reference every block selector is judged against (rbs_bench.observations).
 `block_mass` is the Triton kernel: one program per (query block, batch x query head) keeps the
 query tile on chip, makes one pass over key blocks 0..i for the row max and normaliser (online
 softmax) and a second pass that reduces the normalised probabilities of each key block to one
-number. `block_mass_ref` is its PyTorch reference, built on `causal_softmax_chunks`, which yields
-the fp32 probabilities one chunk of query rows at a time, so memory stays O(chunk x N) per head.
+number. Only the diagonal block i takes the causal and padding masks: the blocks before it hold
+real keys that every query of block i sees. `block_mass_ref` is its PyTorch reference, built on
+`causal_softmax_chunks`, which yields the fp32 probabilities one chunk of query rows at a time, so
+memory stays O(chunk x N) per head.
 """
 
 from __future__ import annotations
@@ -113,6 +115,8 @@ def _block_mass_kernel(
     BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: a full-precision dot (no TF32)
+    EVEN: tl.constexpr,  # block_size == BLOCK: a key block before the diagonal is all real keys
+    SPLIT: tl.constexpr,  # key blocks before the diagonal skip the causal and padding masks
 ):
     # one program: query block i of (batch, query head); the query tile stays on chip
     i = tl.program_id(0)
@@ -124,17 +128,37 @@ def _block_mass_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     rows = i * block_size + offs
     row_ok = (offs < block_size) & (rows < n_ctx)
+    in_block = offs < block_size
     d_ok = offs_d < d_head
     q_ptrs = Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn
     q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0)
     k_base = K + b * stride_kb + hk * stride_kh + offs_d[None, :] * stride_kd
+    # Key blocks j < i hold only real keys that precede every query of block i, so with SPLIT they
+    # need no mask (padded query rows read zeros and are dropped through inv_l); block i, the
+    # diagonal, takes the causal and padding masks. Without SPLIT every block takes them.
+    diag = i if SPLIT else 0
 
     # pass 1: row max and normaliser over key blocks 0..i (every real row sees its own key)
     m_i = tl.full([BLOCK], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK], tl.float32)
-    for j in range(0, i + 1):
+    for j in range(0, diag):
         cols = j * block_size + offs
-        col_ok = (offs < block_size) & (cols < n_ctx)
+        k = tl.load(
+            k_base + cols[:, None] * stride_kn, mask=in_block[:, None] & d_ok[None, :], other=0.0
+        )
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        if not EVEN:
+            s = tl.where(in_block[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: block j has a real key
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+    for j in range(diag, i + 1):
+        cols = j * block_size + offs
+        col_ok = in_block & (cols < n_ctx)
         k = tl.load(
             k_base + cols[:, None] * stride_kn, mask=col_ok[:, None] & d_ok[None, :], other=0.0
         )
@@ -149,13 +173,27 @@ def _block_mass_kernel(
         l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
         m_i = m_new
     m_safe = tl.where(m_i == -float("inf"), 0.0, m_i)
-    inv_l = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+    inv_l = tl.where(row_ok & (l_i > 0), 1.0 / tl.maximum(l_i, 1e-30), 0.0)
 
     # pass 2: the normalised probabilities of each key block, summed over the tile
     out = Mass + b * stride_mb + h * stride_mh + i * stride_mi
-    for j in range(0, i + 1):
+    for j in range(0, diag):
         cols = j * block_size + offs
-        col_ok = (offs < block_size) & (cols < n_ctx)
+        k = tl.load(
+            k_base + cols[:, None] * stride_kn, mask=in_block[:, None] & d_ok[None, :], other=0.0
+        )
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scale_log2
+        if not EVEN:
+            s = tl.where(in_block[None, :], s, -float("inf"))
+        p = tl.exp2(s - m_safe[:, None]) * inv_l[:, None]
+        tl.store(out + j * stride_mj, tl.sum(tl.sum(p, 1), 0))
+    for j in range(diag, i + 1):
+        cols = j * block_size + offs
+        col_ok = in_block & (cols < n_ctx)
         k = tl.load(
             k_base + cols[:, None] * stride_kn, mask=col_ok[:, None] & d_ok[None, :], other=0.0
         )
@@ -168,11 +206,14 @@ def _block_mass_kernel(
         tl.store(out + j * stride_mj, tl.sum(tl.sum(p, 1), 0))
 
 
-def block_mass(q: Tensor, k: Tensor, block_size: int, scale: float | None = None) -> Tensor:
+def block_mass(
+    q: Tensor, k: Tensor, block_size: int, scale: float | None = None, split: bool = True
+) -> Tensor:
     """Triton `block_mass_ref`: fp32 [B, Hq, M, M] causal softmax mass per block pair.
 
     q [B, Hq, N, D], k [B, Hkv, N, D] in fp32, fp16 or bf16 (fp16/bf16 products are exact in the
     dot, accumulation is fp32). Costs two causal QK^T passes; nothing of size N x N is stored.
+    `split=False` masks every key block as the diagonal one (the first version; for timing).
     """
     check_triton_launch("block_mass", q, k)
     _check_qk(q, k, block_size)
@@ -200,6 +241,8 @@ def block_mass(q: Tensor, k: Tensor, block_size: int, scale: float | None = None
         BLOCK=block,
         BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32,
+        EVEN=block == block_size,
+        SPLIT=split,
         num_warps=8 if block * block_d >= 128 * 128 else 4,
     )
     return mass

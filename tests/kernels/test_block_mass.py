@@ -90,6 +90,7 @@ def test_bad_shapes_fail_with_one_line():
 
 
 @kernel_test
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize(
     "n,block,hq,hkv,d,dtype",
     [
@@ -97,14 +98,17 @@ def test_bad_shapes_fail_with_one_line():
         (129, 32, 4, 2, 16, torch.float32),
         (77, 24, 2, 2, 16, torch.float32),  # block size not a power of two
         (100, 32, 2, 1, 16, torch.float16),
+        (150, 24, 4, 2, 24, torch.float16),  # neither block nor head dim a power of two
     ],
 )
-def test_kernel_matches_reference(n, block, hq, hkv, d, dtype):
+def test_kernel_matches_reference(n, block, hq, hkv, d, dtype, split):
     q, k = qk(hq, hkv, n, d, seed=n, device=DEVICE, dtype=dtype)
-    got = block_mass(q, k, block)
+    got = block_mass(q, k, block, split=split)
     want = block_mass_ref(q, k, block)  # fp32 from the same (rounded) inputs
     torch.testing.assert_close(got, want, atol=2e-3 * block, rtol=1e-3)
     assert (got.triu(1) == 0).all()
+    rows = torch.tensor([min(block, n - i * block) for i in range(got.shape[-1])], device=DEVICE)
+    torch.testing.assert_close(got.sum(-1), rows.float().expand_as(got.sum(-1)), atol=1e-3, rtol=0)
 
 
 @pytest.mark.skipif(
@@ -114,7 +118,7 @@ def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
     rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel_matches", timeout=300)
     assert rc == 0, tail
-    assert passed >= 4, tail
+    assert passed >= 10, tail
 
 
 @pytest.mark.gpu
