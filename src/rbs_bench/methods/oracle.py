@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rbs_bench.kernels.block_mass import block_mass, block_mass_ref
+from rbs_bench.kernels.block_mass import block_mass, block_mass_ref, kept_block_mass
 from rbs_bench.kernels.quest_select import MAX_BLOCKS, top_fraction, top_fraction_select
 from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.methods.info import MethodInfo
@@ -65,6 +65,18 @@ def _drop(ref) -> None:
         _last = None
 
 
+def _key(q: Tensor, k: Tensor, block_size: int, scale, triton_path: bool) -> tuple:
+    return (_version(q), _version(k), block_size, scale, triton_path)
+
+
+def _held(q: Tensor, k: Tensor, block_size: int, scale, triton_path: bool) -> Tensor | None:
+    """The held block mass of exactly these q and k and arguments, or None."""
+    key = _key(q, k, block_size, scale, triton_path)
+    if _last is not None and _last[0]() is q and _last[1]() is k and _last[2] == key:
+        return _last[3]
+    return None
+
+
 def true_block_mass(
     q: Tensor,
     k: Tensor,
@@ -79,14 +91,15 @@ def true_block_mass(
     global _last
     if triton_path is None:
         triton_path = q.is_cuda and triton_available()
-    key = (_version(q), _version(k), block_size, scale, triton_path)
-    if _last is not None and _last[0]() is q and _last[1]() is k and _last[2] == key:
-        return _last[3]
+    held = _held(q, k, block_size, scale, triton_path)
+    if held is not None:
+        return held
     _last = None  # free the old mass before making the new one
     if triton_path:
         mass = block_mass(q, k.to(q.dtype), block_size, scale)
     else:
         mass = block_mass_ref(q, k, block_size, scale)
+    key = _key(q, k, block_size, scale, triton_path)
     _last = (weakref.ref(q, _drop), weakref.ref(k, _drop), key, mass)
     return mass
 
@@ -162,14 +175,23 @@ def attention_recall(q: Tensor, k: Tensor, selection, scale: float | None = None
     """fp32 [B, Hq]: the share of the dense causal softmax mass, summed over all queries, that
     lies on the pairs `selection` keeps (1 for dense attention).
 
-    A block selection keeps whole block pairs, so its kept mass is the block mass on its mask; a
-    selection of another shape (MInference's token pattern) brings its own `kept_mass(q, k,
-    scale)`. Every query's softmax sums to 1, so the total is the number of queries N.
+    A block selection keeps whole block pairs, so its kept mass is the block mass on its mask: on
+    CUDA `kept_block_mass` (the dense pass for each row's softmax statistics, then the kept blocks
+    only), or the block mass this layer already has (the oracle's). A selection of another shape
+    (MInference's token pattern) brings its own `kept_mass(q, k, scale)`. Every query's softmax
+    sums to 1, so the total is the number of queries N.
     """
     own = getattr(selection, "kept_mass", None)
     if own is not None:
         kept = own(q, k, scale)
     else:
-        mass = true_block_mass(q, k, selection.block_q, scale)
-        kept = (mass * selection.mask()).sum((-1, -2))
+        bs = selection.block_q
+        fast = q.is_cuda and triton_available()
+        mass = _held(q, k, bs, scale, fast)
+        if mass is None and fast and selection.block_k == bs:
+            count, index = selection.kv_count, selection.kv_indices
+            kept = kept_block_mass(q, k.to(q.dtype), count, index, bs, scale).sum(-1)
+        else:
+            mass = true_block_mass(q, k, bs, scale) if mass is None else mass
+            kept = (mass * selection.mask()).sum((-1, -2))
     return kept.float() / q.shape[2]
