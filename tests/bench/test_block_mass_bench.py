@@ -3,7 +3,7 @@ with its tolerance taken from the low-precision computation's own error."""
 
 import pytest
 import torch
-from rbs_bench.kernels.block_mass import block_mass_ref
+from rbs_bench.kernels.block_mass import block_mass_ref, kept_block_mass_ref
 
 from rbs_bench.bench import block_mass as bench
 
@@ -31,8 +31,8 @@ def test_low_precision_mass_errs_more_than_fp32():
 @pytest.mark.parametrize("n,block,hq,hkv", [(200, 64, 4, 2), (100, 24, 2, 1)])
 def test_check_case_passes_the_reference_and_fails_a_wrong_kernel(n, block, hq, hkv):
     q, k = bench.inputs(n, hq, hkv, 16, seed=0, dtype=torch.float16)
-    row = bench.check_case(q, k, block, kernel=block_mass_ref)
-    assert row["check"] == "ok" and row["err_kernel"] == 0
+    row = bench.check_case(q, k, block, kernel=block_mass_ref, kept_kernel=kept_block_mass_ref)
+    assert row["check"] == "ok" and row["err_kernel"] == 0 and row["err_kept"] < 1e-5
     assert 0 < row["err_lowp"] and row["tol"] > row["err_lowp"]
     assert row["err_ref_fp64"] < 1e-4
 
@@ -42,13 +42,18 @@ def test_check_case_passes_the_reference_and_fails_a_wrong_kernel(n, block, hq, 
         mass[..., 1, 1] -= 0.5
         return mass
 
-    assert bench.check_case(q, k, block, kernel=off)["check"] == "FAIL"
+    assert bench.check_case(q, k, block, off, kept_block_mass_ref)["check"] == "FAIL"
+
+    def kept_off(q, k, count, index, block):
+        return kept_block_mass_ref(q, k, count, index, block) * 1.01
+
+    assert bench.check_case(q, k, block, block_mass_ref, kept_off)["check"] == "FAIL"
 
 
 def test_check_rows_skip_done_cases(monkeypatch):
     monkeypatch.setattr(bench, "CASES", [(130, 64, 2, 1, 16, (0, 1))])
     monkeypatch.setattr(bench, "block_mass", block_mass_ref)
-    monkeypatch.setattr(bench.check_case, "__defaults__", (block_mass_ref,))
+    monkeypatch.setattr(bench.check_case, "__defaults__", (block_mass_ref, kept_block_mass_ref, 0))
     done = {"check_n130_b64_h2x1_d16_bf16_s0"}
     rows = list(bench.check_rows(done, device="cpu"))
     assert [r["case"] for r in rows] == [

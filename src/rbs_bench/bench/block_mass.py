@@ -10,14 +10,17 @@ tolerance comes from the problem itself: twice the error of the same computation
 input dtype (logits and probabilities rounded to bf16 / fp16, block sums in fp32: what a
 low-precision attention computation of these inputs can be expected to get wrong), plus 1e-6 per
 token of a block. Both the kernel and the fp32 reference are also compared with an fp64
-computation, and each query block's row must sum to its token count.
+computation, and each query block's row must sum to its token count. `kept_block_mass` (the
+recall pass: each row's mass on its kept blocks) is held to the same rule on a seeded random
+selection (each row's diagonal and a tenth of the blocks before it).
 
 Times (`kind=time`), Qwen3-30B-A3B's attention shape (32 query heads, 4 KV heads, D = 128, bf16,
 blocks of 128) on `rbs_bench.synthetic` inputs, `triton.testing.do_bench` medians in one process:
 the kernel, and its first version that masks every key block (`split=False`); dense causal SDPA
 (FlashAttention and cuDNN backends, K/V expanded once outside the timed region) on the same
 inputs, and the ratios; the oracle's whole selection (kernel and top fraction) and one
-attention-recall pass over an RBS selection, as each layer of a run pays them. Both the kernel
+attention-recall pass over an RBS selection, as each layer of a run pays them (`kept_block_mass`;
+and the block mass on the selection's mask, the first version). Both the kernel
 and dense attention do two N x N / 2 x D products, so equal FLOP/s would mean equal time.
 
 Writes results/speed/block_mass_<gpu>.csv after every row; a rerun skips the rows already there.
@@ -34,7 +37,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rbs_bench.kernels.block_mass import block_mass, block_mass_ref
+from rbs_bench.kernels.block_mass import block_mass, block_mass_ref, kept_block_mass
+from rbs_bench.kernels.block_sparse_attn import block_lists_from_mask
 
 # (n, block, query heads, KV heads, head dim, seeds): awkward shapes first, then one long one
 CASES = [
@@ -86,12 +90,30 @@ def mass_in(q: Tensor, k: Tensor, block: int, dtype: torch.dtype, chunk: int = 2
     return out
 
 
-def check_case(q: Tensor, k: Tensor, block: int, kernel=block_mass) -> dict:
-    """Errors of `kernel` on (q, k) and the tolerance they are held to (module docstring)."""
+def random_selection(b: int, h: int, m: int, seed: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """(kv_count, kv_indices, mask [B, H, M, M]): each row's diagonal and ~10% of the blocks
+    before it, seeded."""
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(b, h, m, m, generator=g) < 0.1) & torch.ones(m, m, dtype=torch.bool).tril()
+    mask = (mask | torch.eye(m, dtype=torch.bool)).to(device)
+    count, index = block_lists_from_mask(mask)
+    return count, index, mask
+
+
+def check_case(
+    q: Tensor, k: Tensor, block: int, kernel=block_mass, kept_kernel=kept_block_mass, seed: int = 0
+) -> dict:
+    """Errors of `kernel` and `kept_kernel` on (q, k) and the tolerances they are held to (module
+    docstring)."""
     got = kernel(q, k, block)
     ref = block_mass_ref(q, k, block)  # fp32 from the same rounded inputs
     exact = mass_in(q, k, block, torch.float64)
     lowp = mass_in(q, k, block, q.dtype)
+    count, index, mask = random_selection(q.shape[0], q.shape[1], ref.shape[-1], seed, q.device)
+    kept = kept_kernel(q, k, count, index, block)
+    kept_ref, kept_lowp = (ref * mask).sum(-1), (lowp * mask).sum(-1)
+    err_kept = float((kept - kept_ref).abs().max())
+    tol_kept = TOL_FACTOR * float((kept_lowp - kept_ref).abs().max()) + TOL_FLOOR * block
     n = q.shape[2]
     rows = torch.tensor(
         [min(block, n - i * block) for i in range(got.shape[-1])], device=got.device
@@ -102,7 +124,7 @@ def check_case(q: Tensor, k: Tensor, block: int, kernel=block_mass) -> dict:
     row_err = float((got.sum(-1) - rows).abs().max())
     finite = bool(torch.isfinite(got).all())
     upper = bool((got.triu(1) == 0).all())
-    ok = finite and upper and err <= tol and row_err <= tol
+    ok = finite and upper and err <= tol and row_err <= tol and err_kept <= tol_kept
     return {
         "err_kernel": err,
         "err_lowp": err_lowp,
@@ -111,6 +133,8 @@ def check_case(q: Tensor, k: Tensor, block: int, kernel=block_mass) -> dict:
         "err_ref_fp64": float((ref.double() - exact).abs().max()),
         "rel_l2_kernel": float((got - ref).norm() / ref.norm()),
         "row_sum_err": row_err,
+        "err_kept": err_kept,
+        "tol_kept": tol_kept,
         "check": "ok" if ok else "FAIL",
     }
 
@@ -126,7 +150,7 @@ def check_rows(done: set, device: str = "cuda"):
                 q, k = inputs(n, hq, hkv, d, seed, dtype, device)
                 row = {"kind": "check", "case": case, "dtype": name, "n": n, "block": block}
                 row |= {"heads": hq, "kv_heads": hkv, "head_dim": d, "seed": seed}
-                yield row | check_case(q, k, block)
+                yield row | check_case(q, k, block, seed=seed)
                 del q, k
                 if device == "cuda":
                     torch.cuda.empty_cache()
@@ -136,7 +160,12 @@ def time_row(n: int, rep_ms: int, heads: int = 32, kv_heads: int = 4, d: int = 1
     """Kernel, dense SDPA, oracle selection and recall-pass times at context n (bf16)."""
     from rbs_bench import methods, synthetic
     from rbs_bench.bench.attention import causal_flops, dense_fns, do_bench
-    from rbs_bench.methods.oracle import Oracle, attention_recall, forget_block_mass
+    from rbs_bench.methods.oracle import (
+        Oracle,
+        attention_recall,
+        forget_block_mass,
+        true_block_mass,
+    )
 
     data = synthetic.generate(1, heads, kv_heads, n, d, seed=0, device="cuda", dtype=torch.bfloat16)
     q, k, v = data.q, data.k, data.v
@@ -157,6 +186,15 @@ def time_row(n: int, rep_ms: int, heads: int = 32, kv_heads: int = 4, d: int = 1
     rbs = methods.build("rbs").select(q, k)
     attention_recall(q, k, rbs)
     ms_recall = do_bench(lambda: (forget_block_mass(), attention_recall(q, k, rbs)), rep_ms)
+    mask = rbs.mask()
+
+    def recall_first():  # the first version: the whole block mass, then the mask
+        forget_block_mass()
+        return (true_block_mass(q, k, 128) * mask).sum((-1, -2))
+
+    ms_recall_first = do_bench(recall_first, rep_ms)
+    got, want = attention_recall(q, k, rbs), recall_first() / n
+    recall_err = float((got - want).abs().max())
     forget_block_mass()
     flops = causal_flops(n, heads, d)
     return {
@@ -179,6 +217,8 @@ def time_row(n: int, rep_ms: int, heads: int = 32, kv_heads: int = 4, d: int = 1
         "workspace_mib": round(peak, 1),
         "ms_oracle_select": ms_select,
         "ms_recall_pass": ms_recall,
+        "ms_recall_pass_block_mass": ms_recall_first,
+        "recall_err_vs_block_mass": recall_err,
         "rbs_density": round(rbs.density(), 5),
     }
 
@@ -186,12 +226,15 @@ def time_row(n: int, rep_ms: int, heads: int = 32, kv_heads: int = 4, d: int = 1
 def print_table(rows: list[dict]) -> None:
     checks = [r for r in rows if r["kind"] == "check"]
     if checks:
-        print("case | err_kernel | tol | err_lowp | err_kernel_fp64 | err_ref_fp64 | row_sum_err")
+        print(
+            "case | err_kernel | tol | err_lowp | err_kernel_fp64 | err_ref_fp64 | row_sum_err | "
+            "err_kept | tol_kept"
+        )
         for r in checks:
             print(
                 f"{r['case']} | {r['err_kernel']:.3g} | {r['tol']:.3g} | {r['err_lowp']:.3g} | "
                 f"{r['err_kernel_fp64']:.3g} | {r['err_ref_fp64']:.3g} | {r['row_sum_err']:.3g} "
-                f"| {r['check']}"
+                f"| {r['err_kept']:.3g} | {r['tol_kept']:.3g} | {r['check']}"
             )
     for r in rows:
         if r["kind"] == "time":
@@ -201,7 +244,8 @@ def print_table(rows: list[dict]) -> None:
                 f"(x{r['x_sdpa_fa2']:.2f}), cuDNN {r['ms_sdpa_cudnn']:.2f} ms "
                 f"(x{r['x_sdpa_cudnn']:.2f}); all masked {r['ms_block_mass_masked_all']:.2f} ms; "
                 f"oracle select {r['ms_oracle_select']:.2f} ms, "
-                f"recall pass {r['ms_recall_pass']:.2f} ms; workspace {r['workspace_mib']} MiB"
+                f"recall pass {r['ms_recall_pass']:.2f} ms (block mass and mask "
+                f"{r['ms_recall_pass_block_mass']:.2f} ms); workspace {r['workspace_mib']} MiB"
             )
 
 
