@@ -22,6 +22,9 @@ inputs, and the ratios; the oracle's whole selection (kernel and top fraction) a
 attention-recall pass over an RBS selection, as each layer of a run pays them (`kept_block_mass`;
 and the block mass on the selection's mask, the first version). Both the kernel
 and dense attention do two N x N / 2 x D products, so equal FLOP/s would mean equal time.
+Rows `kind=recall_minference`: the recall pass of a token pattern (MInference's `kept_mass`, a
+chunked PyTorch dense pass with no kernel of its own), its time and peak workspace, at the same
+lengths.
 
 Writes results/speed/block_mass_<gpu>.csv after every row; a rerun skips the rows already there.
 """
@@ -223,6 +226,40 @@ def time_row(n: int, rep_ms: int, heads: int = 32, kv_heads: int = 4, d: int = 1
     }
 
 
+def recall_minference_row(n: int, heads: int = 32, kv_heads: int = 4, d: int = 128) -> dict:
+    """Time and peak workspace of one recall pass over MInference's token pattern at context n
+    (one event-timed call after a warm-up: a call takes seconds)."""
+    from rbs_bench import methods, synthetic
+    from rbs_bench.methods.oracle import attention_recall
+
+    data = synthetic.generate(1, heads, kv_heads, n, d, seed=0, device="cuda", dtype=torch.bfloat16)
+    q, k = data.q, data.k
+    pattern = methods.build("minference").select(q, k)
+    short_q, short_k = q[..., :4096, :], k[..., :4096, :]  # warm-up: compile, allocate
+    attention_recall(short_q, short_k, methods.build("minference").select(short_q, short_k))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    recall = attention_recall(q, k, pattern)
+    end.record()
+    torch.cuda.synchronize()
+    return {
+        "kind": "recall_minference",
+        "case": f"recall_minference_n{n}",
+        "dtype": "bf16",
+        "n": n,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": d,
+        "ms_recall_pass": start.elapsed_time(end),
+        "workspace_mib": round((torch.cuda.max_memory_allocated() - base) / 2**20, 1),
+        "minference_density": round(pattern.density(), 5),
+        "recall_mean": float(recall.mean()),
+    }
+
+
 def print_table(rows: list[dict]) -> None:
     checks = [r for r in rows if r["kind"] == "check"]
     if checks:
@@ -247,12 +284,21 @@ def print_table(rows: list[dict]) -> None:
                 f"recall pass {r['ms_recall_pass']:.2f} ms (block mass and mask "
                 f"{r['ms_recall_pass_block_mass']:.2f} ms); workspace {r['workspace_mib']} MiB"
             )
+        if r["kind"] == "recall_minference":
+            print(
+                f"N={r['n']}: MInference recall pass {r['ms_recall_pass']:.1f} ms, workspace "
+                f"{r['workspace_mib']} MiB"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="*", default=[32768, 65536, 131072])
     ap.add_argument("--no-checks", action="store_true", help="times only")
+    ap.add_argument(
+        "--minference-lengths", type=int, nargs="*", default=[32768, 65536, 131072],
+        help="lengths of the MInference recall-pass rows",
+    )  # fmt: skip
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench time budget per timing")
     ap.add_argument("--time-budget-s", type=float, default=None, help="start no row after this")
     ap.add_argument("--out", type=Path, default=Path("results/speed"))
@@ -290,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
             break
         if f"time_n{n}" not in done:
             add(time_row(n, args.rep_ms))
+            torch.cuda.empty_cache()
+    for n in args.minference_lengths:
+        if late():
+            print(f"time budget spent; rerun to continue ({csv})")
+            break
+        if f"recall_minference_n{n}" not in done:
+            add(recall_minference_row(n))
             torch.cuda.empty_cache()
     print_table(rows)
     print(f"wrote {csv}")
