@@ -12,8 +12,10 @@ dense reference every block selector is judged against (rbs_bench.observations).
 `block_mass` is the Triton kernel: one program per (query block, batch x query head) keeps the
 query tile on chip, makes one pass over key blocks 0..i for the row max and normaliser (online
 softmax) and a second pass that reduces the normalised probabilities of each key block to one
-number. `block_mass_ref` is its PyTorch reference, built on `causal_softmax_chunks`, which yields
-the fp32 probabilities one chunk of query rows at a time, so memory stays O(chunk x N) per head.
+number. Only the diagonal block i takes the causal and padding masks: the blocks before it hold
+real keys that every query of block i sees. `block_mass_ref` is its PyTorch reference, built on
+`causal_softmax_chunks`, which yields the fp32 probabilities one chunk of query rows at a time, so
+memory stays O(chunk x N) per head.
 """
 
 from __future__ import annotations
@@ -88,6 +90,98 @@ def block_mass_ref(
 
 
 @jit
+def _qk_tile(q, k_base, stride_kn, j, offs, key_ok, d_ok, block_size, IEEE: tl.constexpr):
+    """Logits q . k of key block j (keys outside `key_ok` read as zeros)."""
+    cols = j * block_size + offs
+    k = tl.load(k_base + cols[:, None] * stride_kn, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+    if IEEE:
+        return tl.dot(q, tl.trans(k), input_precision="ieee")
+    return tl.dot(q, tl.trans(k))
+
+
+@jit
+def _row_stats(
+    q,
+    k_base,
+    stride_kn,
+    i,
+    offs,
+    rows,
+    row_ok,
+    in_block,
+    d_ok,
+    n_ctx,
+    block_size,
+    scale_log2,
+    diag,
+    BLOCK: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """(row max m, 1 / normaliser) of the causal softmax of query block i, base 2; 1 / normaliser
+    is 0 for padded rows. Key blocks j < diag take no causal or padding mask (they hold real keys
+    that every query of block i sees), blocks diag..i take both."""
+    m_i = tl.full([BLOCK], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK], tl.float32)
+    for j in range(0, diag):
+        s = _qk_tile(q, k_base, stride_kn, j, offs, in_block, d_ok, block_size, IEEE) * scale_log2
+        if not EVEN:
+            s = tl.where(in_block[None, :], s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: block j has a real key
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+    for j in range(diag, i + 1):
+        cols = j * block_size + offs
+        col_ok = in_block & (cols < n_ctx)
+        s = _qk_tile(q, k_base, stride_kn, j, offs, col_ok, d_ok, block_size, IEEE)
+        ok = col_ok[None, :] & (cols[None, :] <= rows[:, None]) & row_ok[:, None]
+        s = tl.where(ok, s * scale_log2, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # padded rows see nothing
+        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
+        m_i = m_new
+    m_safe = tl.where(m_i == -float("inf"), 0.0, m_i)
+    inv_l = tl.where(row_ok & (l_i > 0), 1.0 / tl.maximum(l_i, 1e-30), 0.0)
+    return m_safe, inv_l
+
+
+@jit
+def _tile_mass(
+    q,
+    k_base,
+    stride_kn,
+    j,
+    offs,
+    rows,
+    row_ok,
+    in_block,
+    d_ok,
+    n_ctx,
+    block_size,
+    scale_log2,
+    m_safe,
+    inv_l,
+    MASK: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    """The normalised probability mass of key block j summed over query block i's tile; MASK: the
+    causal and padding masks (the diagonal block, or any block when unsure)."""
+    if MASK:
+        cols = j * block_size + offs
+        col_ok = in_block & (cols < n_ctx)
+        s = _qk_tile(q, k_base, stride_kn, j, offs, col_ok, d_ok, block_size, IEEE)
+        ok = col_ok[None, :] & (cols[None, :] <= rows[:, None]) & row_ok[:, None]
+        p = tl.where(ok, tl.exp2(s * scale_log2 - m_safe[:, None]) * inv_l[:, None], 0.0)
+    else:
+        s = _qk_tile(q, k_base, stride_kn, j, offs, in_block, d_ok, block_size, IEEE) * scale_log2
+        if not EVEN:
+            s = tl.where(in_block[None, :], s, -float("inf"))
+        p = tl.exp2(s - m_safe[:, None]) * inv_l[:, None]  # padded rows: inv_l = 0
+    return tl.sum(tl.sum(p, 1), 0)
+
+
+@jit
 def _block_mass_kernel(
     Q,
     K,
@@ -113,67 +207,116 @@ def _block_mass_kernel(
     BLOCK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 inputs: a full-precision dot (no TF32)
+    EVEN: tl.constexpr,  # block_size == BLOCK: a key block before the diagonal is all real keys
+    SPLIT: tl.constexpr,  # key blocks before the diagonal skip the causal and padding masks
 ):
     # one program: query block i of (batch, query head); the query tile stays on chip
     i = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    hk = h // group
     offs = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, BLOCK_D)
     rows = i * block_size + offs
-    row_ok = (offs < block_size) & (rows < n_ctx)
+    in_block = offs < block_size
+    row_ok = in_block & (rows < n_ctx)
     d_ok = offs_d < d_head
     q_ptrs = Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn
     q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0)
-    k_base = K + b * stride_kb + hk * stride_kh + offs_d[None, :] * stride_kd
+    k_base = K + b * stride_kb + (h // group) * stride_kh + offs_d[None, :] * stride_kd
+    diag = i if SPLIT else 0  # without SPLIT every key block takes the masks (the first version)
 
     # pass 1: row max and normaliser over key blocks 0..i (every real row sees its own key)
-    m_i = tl.full([BLOCK], -float("inf"), tl.float32)
-    l_i = tl.zeros([BLOCK], tl.float32)
-    for j in range(0, i + 1):
-        cols = j * block_size + offs
-        col_ok = (offs < block_size) & (cols < n_ctx)
-        k = tl.load(
-            k_base + cols[:, None] * stride_kn, mask=col_ok[:, None] & d_ok[None, :], other=0.0
-        )
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        ok = col_ok[None, :] & (cols[None, :] <= rows[:, None]) & row_ok[:, None]
-        s = tl.where(ok, s * scale_log2, -float("inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # padded rows see nothing
-        l_i = l_i * tl.exp2(m_i - m_safe) + tl.sum(tl.exp2(s - m_safe[:, None]), 1)
-        m_i = m_new
-    m_safe = tl.where(m_i == -float("inf"), 0.0, m_i)
-    inv_l = tl.where(l_i > 0, 1.0 / tl.maximum(l_i, 1e-30), 0.0)
-
+    m_safe, inv_l = _row_stats(
+        q, k_base, stride_kn, i, offs, rows, row_ok, in_block, d_ok, n_ctx, block_size,
+        scale_log2, diag, BLOCK, IEEE, EVEN,
+    )  # fmt: skip
     # pass 2: the normalised probabilities of each key block, summed over the tile
     out = Mass + b * stride_mb + h * stride_mh + i * stride_mi
-    for j in range(0, i + 1):
-        cols = j * block_size + offs
-        col_ok = (offs < block_size) & (cols < n_ctx)
-        k = tl.load(
-            k_base + cols[:, None] * stride_kn, mask=col_ok[:, None] & d_ok[None, :], other=0.0
-        )
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        ok = col_ok[None, :] & (cols[None, :] <= rows[:, None]) & row_ok[:, None]
-        p = tl.where(ok, tl.exp2(s * scale_log2 - m_safe[:, None]) * inv_l[:, None], 0.0)
-        tl.store(out + j * stride_mj, tl.sum(tl.sum(p, 1), 0))
+    for j in range(0, diag):
+        mass = _tile_mass(
+            q, k_base, stride_kn, j, offs, rows, row_ok, in_block, d_ok, n_ctx, block_size,
+            scale_log2, m_safe, inv_l, False, IEEE, EVEN,
+        )  # fmt: skip
+        tl.store(out + j * stride_mj, mass)
+    for j in range(diag, i + 1):
+        mass = _tile_mass(
+            q, k_base, stride_kn, j, offs, rows, row_ok, in_block, d_ok, n_ctx, block_size,
+            scale_log2, m_safe, inv_l, True, IEEE, EVEN,
+        )  # fmt: skip
+        tl.store(out + j * stride_mj, mass)
 
 
-def block_mass(q: Tensor, k: Tensor, block_size: int, scale: float | None = None) -> Tensor:
-    """Triton `block_mass_ref`: fp32 [B, Hq, M, M] causal softmax mass per block pair.
+@jit
+def _kept_mass_kernel(
+    Q,
+    K,
+    Count,
+    Index,
+    Out,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_cb,
+    stride_ch,
+    stride_ci,
+    stride_ib,
+    stride_ih,
+    stride_ii,
+    stride_it,
+    stride_ob,
+    stride_oh,
+    stride_oi,
+    n_ctx,
+    heads,
+    group,
+    block_size,
+    d_head,
+    scale_log2,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN: tl.constexpr,
+):
+    # one program: query block i of (batch, query head): the row statistics over every causal key
+    # block, then the mass of the kept blocks only (the selection's list of row i)
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = i * block_size + offs
+    in_block = offs < block_size
+    row_ok = in_block & (rows < n_ctx)
+    d_ok = offs_d < d_head
+    q_ptrs = Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn
+    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0)
+    k_base = K + b * stride_kb + (h // group) * stride_kh + offs_d[None, :] * stride_kd
+    m_safe, inv_l = _row_stats(
+        q, k_base, stride_kn, i, offs, rows, row_ok, in_block, d_ok, n_ctx, block_size,
+        scale_log2, i, BLOCK, IEEE, EVEN,
+    )  # fmt: skip
+    count = tl.load(Count + b * stride_cb + h * stride_ch + i * stride_ci)
+    index = Index + b * stride_ib + h * stride_ih + i * stride_ii
+    kept = tl.full([], 0.0, tl.float32)
+    for t in range(0, count):
+        j = tl.load(index + t * stride_it)
+        # every kept block takes the masks: a few blocks a row, and ids past the diagonal get 0
+        kept += _tile_mass(
+            q, k_base, stride_kn, j, offs, rows, row_ok, in_block, d_ok, n_ctx, block_size,
+            scale_log2, m_safe, inv_l, True, IEEE, EVEN,
+        )  # fmt: skip
+    tl.store(Out + b * stride_ob + h * stride_oh + i * stride_oi, kept)
 
-    q [B, Hq, N, D], k [B, Hkv, N, D] in fp32, fp16 or bf16 (fp16/bf16 products are exact in the
-    dot, accumulation is fp32). Costs two causal QK^T passes; nothing of size N x N is stored.
-    """
+
+def _launch_args(q: Tensor, k: Tensor, block_size: int, scale: float | None) -> tuple:
+    """(grid, scalar arguments, constexpr keywords) shared by the two kernels."""
     check_triton_launch("block_mass", q, k)
     _check_qk(q, k, block_size)
     if q.dtype != k.dtype:
@@ -181,28 +324,73 @@ def block_mass(q: Tensor, k: Tensor, block_size: int, scale: float | None = None
     b, hq, n, d = q.shape
     m = math.ceil(n / block_size)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    mass = torch.zeros(b, hq, m, m, device=q.device, dtype=torch.float32)
     block = max(16, triton.next_power_of_2(block_size))
     block_d = max(16, triton.next_power_of_2(d))
-    _block_mass_kernel[(m, b * hq)](
-        q,
-        k,
-        mass,
-        *q.stride(),
-        *k.stride(),
-        *mass.stride(),
-        n,
-        hq,
-        hq // k.shape[1],
-        block_size,
-        d,
-        scale * math.log2(math.e),
+    scalars = (n, hq, hq // k.shape[1], block_size, d, scale * math.log2(math.e))
+    meta = dict(
         BLOCK=block,
         BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32,
+        EVEN=block == block_size,
         num_warps=8 if block * block_d >= 128 * 128 else 4,
     )
+    return (m, b * hq), scalars, meta
+
+
+def block_mass(
+    q: Tensor, k: Tensor, block_size: int, scale: float | None = None, split: bool = True
+) -> Tensor:
+    """Triton `block_mass_ref`: fp32 [B, Hq, M, M] causal softmax mass per block pair.
+
+    q [B, Hq, N, D], k [B, Hkv, N, D] in fp32, fp16 or bf16 (fp16/bf16 products are exact in the
+    dot, accumulation is fp32). Costs two causal QK^T passes; nothing of size N x N is stored.
+    `split=False` masks every key block as the diagonal one (the first version; for timing).
+    """
+    grid, scalars, meta = _launch_args(q, k, block_size, scale)
+    m = grid[0]
+    mass = torch.zeros(q.shape[0], q.shape[1], m, m, device=q.device, dtype=torch.float32)
+    _block_mass_kernel[grid](
+        q, k, mass, *q.stride(), *k.stride(), *mass.stride(), *scalars, SPLIT=split, **meta
+    )
     return mass
+
+
+def kept_block_mass_ref(
+    q: Tensor, k: Tensor, kv_count: Tensor, kv_indices: Tensor, block_size: int, scale=None
+) -> Tensor:
+    """fp32 [B, Hq, M]: per query block, the causal softmax mass on its kept key blocks (the
+    (count, indices) lists of a `BlockSelection`, per query head or one list for all heads)."""
+    from .block_sparse_attn import block_mask_from_lists
+
+    mass = block_mass_ref(q, k, block_size, scale)
+    return (mass * block_mask_from_lists(kv_count, kv_indices)).sum(-1)
+
+
+def kept_block_mass(
+    q: Tensor, k: Tensor, kv_count: Tensor, kv_indices: Tensor, block_size: int, scale=None
+) -> Tensor:
+    """Triton `kept_block_mass_ref`: one pass over the causal key blocks for each row's softmax
+    statistics and one over the kept blocks only, so about half of `block_mass` at low density.
+
+    kv_count int [B, H, M], kv_indices int [B, H, M, >= max count] with H = Hq or 1; ids must be
+    causal (<= the row); entries past a row's count are not read."""
+    grid, scalars, meta = _launch_args(q, k, block_size, scale)
+    b, hq, m = q.shape[0], q.shape[1], grid[0]
+    if kv_count.dim() != 3 or kv_count.shape[0] != b or kv_count.shape[2] != m:
+        raise ValueError(f"kv_count must be [{b}, H, {m}], got {tuple(kv_count.shape)}")
+    if kv_count.shape[1] not in (1, hq) or kv_indices.shape[:3] != kv_count.shape:
+        raise ValueError(
+            f"kv_count {tuple(kv_count.shape)} / kv_indices {tuple(kv_indices.shape)} must have "
+            f"{hq} or 1 heads and agree"
+        )
+    count = kv_count.expand(b, hq, m)
+    index = kv_indices.expand(b, hq, m, kv_indices.shape[-1])
+    out = torch.zeros(b, hq, m, device=q.device, dtype=torch.float32)
+    _kept_mass_kernel[grid](
+        q, k, count, index, out, *q.stride(), *k.stride(), *count.stride(), *index.stride(),
+        *out.stride(), *scalars, **meta,
+    )  # fmt: skip
+    return out
 
 
 def main() -> None:

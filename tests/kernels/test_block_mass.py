@@ -13,7 +13,14 @@ import interpreter_suite
 import pytest
 import torch
 from interpreter_suite import CUDA, DEVICE, kernel_test
-from rbs_bench.kernels.block_mass import block_mass, block_mass_ref, causal_softmax_chunks
+from rbs_bench.kernels.block_mass import (
+    block_mass,
+    block_mass_ref,
+    causal_softmax_chunks,
+    kept_block_mass,
+    kept_block_mass_ref,
+)
+from rbs_bench.kernels.block_sparse_attn import block_lists_from_mask
 from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 
 
@@ -90,6 +97,7 @@ def test_bad_shapes_fail_with_one_line():
 
 
 @kernel_test
+@pytest.mark.parametrize("split", [True, False])
 @pytest.mark.parametrize(
     "n,block,hq,hkv,d,dtype",
     [
@@ -97,14 +105,59 @@ def test_bad_shapes_fail_with_one_line():
         (129, 32, 4, 2, 16, torch.float32),
         (77, 24, 2, 2, 16, torch.float32),  # block size not a power of two
         (100, 32, 2, 1, 16, torch.float16),
+        (150, 24, 4, 2, 24, torch.float16),  # neither block nor head dim a power of two
     ],
 )
-def test_kernel_matches_reference(n, block, hq, hkv, d, dtype):
+def test_kernel_matches_reference(n, block, hq, hkv, d, dtype, split):
     q, k = qk(hq, hkv, n, d, seed=n, device=DEVICE, dtype=dtype)
-    got = block_mass(q, k, block)
+    got = block_mass(q, k, block, split=split)
     want = block_mass_ref(q, k, block)  # fp32 from the same (rounded) inputs
     torch.testing.assert_close(got, want, atol=2e-3 * block, rtol=1e-3)
     assert (got.triu(1) == 0).all()
+    rows = torch.tensor([min(block, n - i * block) for i in range(got.shape[-1])], device=DEVICE)
+    torch.testing.assert_close(got.sum(-1), rows.float().expand_as(got.sum(-1)), atol=1e-3, rtol=0)
+
+
+def random_lists(b, h, m, share, seed, device="cpu"):
+    """(count, indices) of a random causal block selection: each row keeps its diagonal and a
+    `share` of the blocks before it."""
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(b, h, m, m, generator=g) < share) & torch.ones(m, m, dtype=torch.bool).tril()
+    mask |= torch.eye(m, dtype=torch.bool)
+    count, index = block_lists_from_mask(mask)
+    return count.to(device), index.to(device), mask
+
+
+def test_kept_mass_reference_is_the_block_mass_on_the_mask():
+    q, k = qk(4, 2, 300, 16, seed=3)
+    count, index, mask = random_lists(1, 4, 5, 0.4, seed=1)
+    got = kept_block_mass_ref(q, k, count, index, 64)
+    want = (dense_block_mass(q, k, 64) * mask).sum(-1)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+
+
+@kernel_test
+@pytest.mark.parametrize(
+    "n,block,hq,hkv,d,dtype,heads_of_lists",
+    [
+        (129, 32, 4, 2, 16, torch.float32, 4),
+        (77, 24, 2, 2, 16, torch.float32, 1),  # one list for every head
+        (150, 24, 4, 2, 24, torch.float16, 4),  # neither block nor head dim a power of two
+        (200, 32, 2, 1, 16, torch.float16, 2),
+    ],
+)
+def test_kept_mass_kernel_matches_reference(n, block, hq, hkv, d, dtype, heads_of_lists):
+    q, k = qk(hq, hkv, n, d, seed=n, device=DEVICE, dtype=dtype)
+    m = -(-n // block)
+    count, index, _ = random_lists(1, heads_of_lists, m, 0.3, seed=n, device=DEVICE)
+    got = kept_block_mass(q, k, count, index, block)
+    want = kept_block_mass_ref(q, k, count, index, block)
+    torch.testing.assert_close(got, want, atol=2e-3 * block, rtol=1e-3)
+    full, idx, _ = random_lists(1, 1, m, 1.0, seed=0, device=DEVICE)  # every causal block
+    rows = torch.tensor([min(block, n - i * block) for i in range(m)], device=DEVICE).float()
+    torch.testing.assert_close(
+        kept_block_mass(q, k, full, idx, block), rows.expand(1, hq, m), atol=1e-3, rtol=0
+    )
 
 
 @pytest.mark.skipif(
@@ -112,9 +165,9 @@ def test_kernel_matches_reference(n, block, hq, hkv, d, dtype):
 )
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel_matches", timeout=300)
+    rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel_matches", timeout=600)
     assert rc == 0, tail
-    assert passed >= 4, tail
+    assert passed >= 14, tail
 
 
 @pytest.mark.gpu
@@ -128,3 +181,15 @@ def test_gpu_kernel_bf16_long(n):
     want = block_mass_ref(data.q, data.k, 128)
     torch.testing.assert_close(got, want, atol=0.05, rtol=2e-3)
     torch.testing.assert_close(got.sum(-1)[..., :-1], torch.full_like(got.sum(-1)[..., :-1], 128.0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU")
+def test_gpu_kept_mass_bf16_long():
+    from rbs_bench import synthetic
+
+    data = synthetic.generate(1, 8, 2, 16384, 128, seed=2, device="cuda", dtype=torch.bfloat16)
+    count, index, mask = random_lists(1, 8, 128, 0.05, seed=3, device="cuda")
+    got = kept_block_mass(data.q, data.k, count, index, 128)
+    want = (block_mass(data.q, data.k, 128) * mask.cuda()).sum(-1)
+    torch.testing.assert_close(got, want, atol=0.05, rtol=2e-3)

@@ -91,3 +91,48 @@ def test_density_curve_is_the_selection_density_at_every_ratio():
     ratios = [0.0, 0.05, 0.2, 0.37, 0.5, 0.8, 1.0]
     want = [sel.with_knob(r).select(q, k).density() for r in ratios]
     assert sel.density_curve(q, k, None, ratios) == pytest.approx(want, abs=1e-12)
+
+
+def test_one_block_mass_serves_select_curve_and_recall(monkeypatch):
+    from rbs_bench.methods import oracle
+
+    calls = []
+    real = oracle.block_mass_ref
+    monkeypatch.setattr(
+        oracle, "block_mass_ref", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    oracle.forget_block_mass()
+    q, k = _qk(n=256, seed=7)
+    sel = Oracle(ratio=0.3, block_size=32, sink_blocks=1, window_blocks=1, last_q_blocks=1)
+    s = sel.select(q, k)
+    sel.density_curve(q, k, None, [0.1, 0.5])
+    got = attention_recall(q, k, s)
+    assert len(calls) == 1  # the same q and k: one pass
+    fresh = _block_sums(_dense_probs(q, k), 32)  # the recall is still the one of these q, k
+    want = (fresh * s.mask()).sum((-1, -2)) / 256
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=0)
+
+    attention_recall(q, k, s, scale=0.5)  # another scale
+    attention_recall(q.clone(), k, s)  # another tensor with the same values
+    assert len(calls) == 3
+    q.mul_(2)  # changed in place: its version counter moved
+    attention_recall(q, k, s)
+    assert len(calls) == 4
+    with torch.inference_mode():  # inference tensors have no version counter: identity only
+        qi, ki = _qk(n=256, seed=8)
+        sel.select(qi, ki)
+        attention_recall(qi, ki, s)
+        assert len(calls) == 5
+
+
+def test_kept_block_mass_goes_with_its_tensors():
+    import gc
+
+    from rbs_bench.methods import oracle
+
+    q, k = _qk(n=128)
+    oracle.true_block_mass(q, k, 32)
+    assert oracle._last is not None
+    del q
+    gc.collect()
+    assert oracle._last is None  # the mass is freed with its layer's q

@@ -233,7 +233,9 @@ def test_recorder_recall_per_layer_only_when_asked():
     assert len(s["recall_layers"]) == s["num_layers"] == 2
     assert all(0 < r < 1 for r in s["recall_layers"])  # a sparse selection loses some mass
     assert s["recall_mean"] == pytest.approx(sum(s["recall_layers"]) / 2, abs=1e-5)
+    assert s["recall_s"] > 0  # the passes' own seconds, apart from selector and attention
     uninstall(model)
     rec = install(model, build("dense"), recall=True)
     logits(model, random_ids(600))
     assert rec.summary()["recall_layers"] == [1.0, 1.0]
+    assert rec.summary()["recall_s"] == 0

@@ -38,6 +38,7 @@ class _LayerRecord:
     selector_s: float
     attention_s: float
     recall: Tensor | None = None  # float [Hq], mean over the batch (with `recall` only)
+    recall_s: float = 0.0  # seconds of the recall pass (inside the forward, outside the others)
 
 
 @dataclass
@@ -72,12 +73,15 @@ class PrefillRecorder:
         selector_s: float,
         attention_s: float,
         recall: Tensor | None = None,
+        recall_s: float = 0.0,
     ) -> None:
         if layer in self.layers:  # a new forward: settle the last one's deferred checks
             self.check_finite()
             self.layers.clear()
         recall = None if recall is None else recall.detach()
-        self.layers[layer] = _LayerRecord(density.detach(), selector_s, attention_s, recall)
+        self.layers[layer] = _LayerRecord(
+            density.detach(), selector_s, attention_s, recall, recall_s
+        )
 
     def check_finite(self) -> None:
         """Raise for the first deferred non-finite q/k flag (CUDA runs without timing)."""
@@ -88,8 +92,10 @@ class PrefillRecorder:
 
     def summary(self) -> dict:
         """density_mean (over layers and heads), density_layers_heads, selector_s, attention_s,
-        num_layers; with `recall`, also recall_mean (over layers and heads) and recall_layers
-        (per layer, mean over heads)."""
+        num_layers; with `recall`, also recall_mean (over layers and heads), recall_layers (per
+        layer, mean over heads) and recall_s (the recall passes' seconds: they run inside the
+        forward, so a prefill time taken around it includes them; at 128K about 0.2-0.4 s a
+        layer)."""
         self.check_finite()
         order = sorted(self.layers)
         per_layer = [self.layers[i].density.double().cpu().tolist() for i in order]
@@ -110,6 +116,7 @@ class PrefillRecorder:
         return {
             "recall_mean": sum(per_layer) / len(per_layer),
             "recall_layers": [round(r, 5) for r in per_layer],
+            "recall_s": sum(self.layers[i].recall_s for i in order),
         }
 
 
@@ -249,15 +256,17 @@ def rbs_attention_forward(
         # reads next, so no transpose copy follows
         b, hq, n, d = query.shape
         buf = query.new_empty(b, n, hq, d).transpose(1, 2)
-        out, density, sel_s, attn_s, recall = _sparse(state, query, key, value, scaling, out=buf)
+        out, density, sel_s, attn_s, recall, recall_s = _sparse(
+            state, query, key, value, scaling, out=buf
+        )
         density = density.mean(0)
         recall = None if recall is None else recall.mean(0)
     else:
-        out, density, sel_s, attn_s, recall = _sparse_padded(
+        out, density, sel_s, attn_s, recall, recall_s = _sparse_padded(
             state, query, key, value, attention_mask, scaling, layer
         )
     if density is not None:
-        rec.record(layer, density, sel_s, attn_s, recall)
+        rec.record(layer, density, sel_s, attn_s, recall, recall_s)
     return out.transpose(1, 2).contiguous(), None  # a no-op view for the unpadded buffer
 
 
@@ -273,7 +282,7 @@ def _sparse(
     state: _State, q: Tensor, k: Tensor, v: Tensor, scale: float | None, out: Tensor | None = None
 ):
     """(out [B, Hq, N, D], head density [B, Hq], selector s, attention s, head recall [B, Hq] or
-    None) of unpadded rows.
+    None, recall s) of unpadded rows.
 
     `out`, if given, receives the output (the kernel writes the model's layout directly).
     """
@@ -287,12 +296,13 @@ def _sparse(
         t1 = rec.clock(q)
         out = state.execute(q, k, v, sel, state.executor, scale=scale, out=out)
         t2 = rec.clock(q)
-        recall = None
+        recall, t3 = None, t2
         if rec.recall:
             from rbs_bench.methods.oracle import attention_recall
 
             recall = attention_recall(q, k, sel, scale)
-    return out, sel.head_density().float(), t1 - t0, t2 - t1, recall
+            t3 = rec.clock(q)
+    return out, sel.head_density().float(), t1 - t0, t2 - t1, recall, t3 - t2
 
 
 def _sparse_padded(
@@ -313,7 +323,7 @@ def _sparse_padded(
     rows = torch.stack([count, first, ok.long()], dim=1).tolist()  # one host sync for the batch
 
     out = q.new_zeros(q.shape)
-    densities, recalls, sel_s, attn_s = [], [], 0.0, 0.0
+    densities, recalls, sel_s, attn_s, recall_s = [], [], 0.0, 0.0, 0.0
     for i, (cnt, start, contiguous) in enumerate(rows):
         if not contiguous:
             raise ValueError(
@@ -323,14 +333,14 @@ def _sparse_padded(
         if cnt == 0:
             continue
         sl = slice(start, start + cnt)
-        o, d, s_s, a_s, r = _sparse(
+        o, d, s_s, a_s, r, r_s = _sparse(
             state, q[i : i + 1, :, sl], k[i : i + 1, :, sl], v[i : i + 1, :, sl], scale
         )
         out[i : i + 1, :, sl] = o
         densities.append(d[0])
         if r is not None:
             recalls.append(r[0])
-        sel_s, attn_s = sel_s + s_s, attn_s + a_s
+        sel_s, attn_s, recall_s = sel_s + s_s, attn_s + a_s, recall_s + r_s
     density = torch.stack(densities).mean(0) if densities else None
     recall = torch.stack(recalls).mean(0) if recalls else None
-    return out, density, sel_s, attn_s, recall
+    return out, density, sel_s, attn_s, recall, recall_s
