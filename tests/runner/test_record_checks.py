@@ -220,3 +220,27 @@ def test_the_mismatch_is_one_line_on_the_command_line(results):
     (line,) = res.stderr.strip().splitlines()
     assert line.startswith("rbs-bench: error: ") and "budget.target=0.5" in line
     assert len(read_records(results / CELL / "records.jsonl")) == 1
+
+
+def test_the_recall_pass_is_timed_apart_from_the_prefill(tmp_path, session, monkeypatch):
+    """recall=true runs a dense pass per layer inside the prefill forward; its seconds go to
+    recall_s, not to ttft_s (here each pass sleeps 0.25 s, far above the prefill itself)."""
+    import time
+
+    from rbs_bench.methods import oracle
+
+    real = oracle.attention_recall
+
+    def slow(*args, **kwargs):
+        time.sleep(0.25)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(oracle, "attention_recall", slow)
+    path = run_cell(
+        _cfg(tmp_path, "method=rbs", "budget=default", "recall=true"), EXPERIMENT, session
+    )
+    (rec,) = read_records(path)
+    slept = 0.25 * len(rec["recall_layers"])
+    assert rec["recall_s"] >= slept
+    assert rec["ttft_s"] < slept and rec["generate_s"] < slept
+    assert 0 < rec["recall"] <= 1
