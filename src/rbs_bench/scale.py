@@ -23,6 +23,7 @@ except the scores; the report says which weights each cell used.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -85,10 +86,14 @@ def _gib(mib) -> str:
 
 def run_cells(results: Path) -> pd.DataFrame:
     """One row per (gpu, experiment, model, method, budget, context) over every record that names
-    its GPU."""
+    its GPU: the runs of `<results>/runs`, and of side results directories `<results>/scale/<name>`
+    (their experiment labelled with the name, e.g. "ruler_budget (recall_128k)")."""
     rows = []
-    for path in sorted((results / "runs").glob("*/*/*/*/records.jsonl")):
-        experiment, model = path.parts[-5], path.parts[-4]
+    roots = [(results / "runs", "")]
+    roots += [(p, f" ({p.parent.name})") for p in sorted((results / "scale").glob("*/runs"))]
+    paths = [(p, tag) for root, tag in roots for p in sorted(root.glob("*/*/*/*/records.jsonl"))]
+    for path, tag in paths:
+        experiment, model = path.parts[-5] + tag, path.parts[-4]
         by_context: dict[tuple, list] = {}
         for r in read_records(path):
             if not r.get("gpu"):
@@ -117,10 +122,24 @@ def run_cells(results: Path) -> pd.DataFrame:
                     "density_mean": float(np.nanmean(flat)),
                     "density_p50": float(np.nanpercentile(flat, 50)),
                     "density_p90": float(np.nanpercentile(flat, 90)),
+                    "recall": _mean(recs, "recall"),
+                    "recall_s": _mean(recs, "recall_s"),
                     "source": str(path),
                 }
             )
     return pd.DataFrame(rows)
+
+
+def _mean(recs: list[dict], key: str) -> float:
+    """Mean of a record field over the records that hold it (NaN where none does)."""
+    have = [r[key] for r in recs if r.get(key) is not None]
+    return float(np.mean(have)) if have else math.nan
+
+
+def _recall(c) -> str:
+    if pd.isna(c["recall"]):
+        return "–"
+    return f"{100 * c['recall']:.2f}" + (f" ({c['recall_s']:.2f})" if c["recall_s"] >= 0 else "")
 
 
 def _runs_section(cells: pd.DataFrame) -> list[str]:
@@ -129,8 +148,8 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
         "",
         "| experiment | model | method | budget | context | n | prefill s | decode s | "
         "peak alloc GiB | peak reserved GiB | density mean / p50 / p90 | estimate GiB | "
-        "alloc - estimate GiB |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+        "alloc - estimate GiB | recall % (pass s) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     cells = cells.sort_values(["experiment", "model", "context", "method", "budget"])
     for _, c in cells.iterrows():
@@ -140,7 +159,7 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
             f"{c['context']:,} | {c['n']} | {c['prefill_s']:.2f} | {c['decode_s']:.2f} | "
             f"{_gib(c['peak_allocated_mib'])} | {_gib(c['peak_reserved_mib'])} | "
             f"{c['density_mean']:.4f} / {c['density_p50']:.4f} / {c['density_p90']:.4f} | "
-            f"{_num(est, '.1f')} | {_gap(c['peak_allocated_mib'], est)} |"
+            f"{_num(est, '.1f')} | {_gap(c['peak_allocated_mib'], est)} | {_recall(c)} |"
         )
     out += [
         "",
@@ -151,7 +170,10 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
         "Estimate: `python -m rbs_bench.models.memory` for the model at that context, batch 1 "
         "(weights, KV cache, one layer's activations, logits, 1 GiB of CUDA context); alloc - "
         "estimate compares the allocated peak with the estimate less that context: positive "
-        "where the estimate falls short.",
+        "where the estimate falls short. Recall (runs with recall=true): the share of the dense "
+        "attention mass on the kept pairs, mean over layers, heads and samples; in parentheses "
+        "the seconds per sample of its dense passes, which run inside the prefill and are left "
+        "out of the prefill time.",
         "",
     ]
     return out
