@@ -63,7 +63,7 @@ from torch import Tensor
 from rbs_bench import methods
 from rbs_bench.config import UserError
 from rbs_bench.kernels.quest_select import top_fraction
-from rbs_bench.methods.oracle import true_block_mass
+from rbs_bench.methods.mass import true_block_mass
 from rbs_bench.methods.scorers import (
     LABELLED,
     SCORER_COLOURS,

@@ -8,7 +8,8 @@ import torch
 from rbs_bench.baselines.minference import MInference
 
 from rbs_bench import methods
-from rbs_bench.methods.oracle import Oracle, attention_recall
+from rbs_bench.methods.mass import attention_recall
+from rbs_bench.methods.oracle import Oracle
 from rbs_bench.methods.selection import BlockSelection, causal_block_mask, forced_mask
 
 
@@ -94,14 +95,12 @@ def test_density_curve_is_the_selection_density_at_every_ratio():
 
 
 def test_one_block_mass_serves_select_curve_and_recall(monkeypatch):
-    from rbs_bench.methods import oracle
+    from rbs_bench.methods import mass
 
     calls = []
-    real = oracle.block_mass_ref
-    monkeypatch.setattr(
-        oracle, "block_mass_ref", lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    )
-    oracle.forget_block_mass()
+    real = mass.block_mass_ref
+    monkeypatch.setattr(mass, "block_mass_ref", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    mass.forget_block_mass()
     q, k = _qk(n=256, seed=7)
     sel = Oracle(ratio=0.3, block_size=32, sink_blocks=1, window_blocks=1, last_q_blocks=1)
     s = sel.select(q, k)
@@ -128,11 +127,11 @@ def test_one_block_mass_serves_select_curve_and_recall(monkeypatch):
 def test_kept_block_mass_goes_with_its_tensors():
     import gc
 
-    from rbs_bench.methods import oracle
+    from rbs_bench.methods import mass
 
     q, k = _qk(n=128)
-    oracle.true_block_mass(q, k, 32)
-    assert oracle._last is not None
+    mass.true_block_mass(q, k, 32)
+    assert mass._last is not None
     del q
     gc.collect()
-    assert oracle._last is None  # the mass is freed with its layer's q
+    assert mass._last is None  # the mass is freed with its layer's q

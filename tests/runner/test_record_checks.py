@@ -227,15 +227,15 @@ def test_the_recall_pass_is_timed_apart_from_the_prefill(tmp_path, session, monk
     recall_s, not to ttft_s (here each pass sleeps 0.25 s, far above the prefill itself)."""
     import time
 
-    from rbs_bench.methods import oracle
+    from rbs_bench.methods import mass
 
-    real = oracle.attention_recall
+    real = mass.attention_recall
 
     def slow(*args, **kwargs):
         time.sleep(0.25)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(oracle, "attention_recall", slow)
+    monkeypatch.setattr(mass, "attention_recall", slow)
     path = run_cell(
         _cfg(tmp_path, "method=rbs", "budget=default", "recall=true"), EXPERIMENT, session
     )

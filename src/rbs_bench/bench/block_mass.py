@@ -163,12 +163,8 @@ def time_row(n: int, rep_ms: int, heads: int = 32, kv_heads: int = 4, d: int = 1
     """Kernel, dense SDPA, oracle selection and recall-pass times at context n (bf16)."""
     from rbs_bench import methods, synthetic
     from rbs_bench.bench.attention import causal_flops, dense_fns, do_bench
-    from rbs_bench.methods.oracle import (
-        Oracle,
-        attention_recall,
-        forget_block_mass,
-        true_block_mass,
-    )
+    from rbs_bench.methods.mass import attention_recall, forget_block_mass, true_block_mass
+    from rbs_bench.methods.oracle import Oracle
 
     data = synthetic.generate(1, heads, kv_heads, n, d, seed=0, device="cuda", dtype=torch.bfloat16)
     q, k, v = data.q, data.k, data.v
@@ -230,7 +226,7 @@ def recall_minference_row(n: int, heads: int = 32, kv_heads: int = 4, d: int = 1
     """Time and peak workspace of one recall pass over MInference's token pattern at context n
     (one event-timed call after a warm-up: a call takes seconds)."""
     from rbs_bench import methods, synthetic
-    from rbs_bench.methods.oracle import attention_recall
+    from rbs_bench.methods.mass import attention_recall
 
     data = synthetic.generate(1, heads, kv_heads, n, d, seed=0, device="cuda", dtype=torch.bfloat16)
     q, k = data.q, data.k

@@ -52,7 +52,7 @@ class PrefillRecorder:
 
     timing: bool = True
     # Also the attention recall of each layer: the share of the dense softmax mass on the kept
-    # pairs (rbs_bench.methods.oracle.attention_recall); costs a dense pass per layer, untimed.
+    # pairs (rbs_bench.methods.mass.attention_recall); costs a dense pass per layer, untimed.
     recall: bool = False
     layers: dict[int, _LayerRecord] = field(default_factory=dict)
     _pending: list[tuple[int, Tensor]] = field(default_factory=list)  # deferred finiteness checks
@@ -298,7 +298,7 @@ def _sparse(
         t2 = rec.clock(q)
         recall, t3 = None, t2
         if rec.recall:
-            from rbs_bench.methods.oracle import attention_recall
+            from rbs_bench.methods.mass import attention_recall
 
             recall = attention_recall(q, k, sel, scale)
             t3 = rec.clock(q)
