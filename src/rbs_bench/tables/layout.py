@@ -212,7 +212,7 @@ class GridSpec:
                 self,
                 title=(
                     self.title.replace("density / accuracy", "density / accuracy / recall")
-                    if "density / accuracy" in self.title
+                    if "density / accuracy" in self.title or self.metric_rows
                     else f"{self.title}, each cell's attention recall (%) after the slash"
                 ),
                 metrics=(*self.metrics, RECALL),
