@@ -54,6 +54,8 @@ def test_scale_report_from_records(tmp_path):
             "attention_ms": 600.0,
             "selector_ms": 0.0,
             "peak_allocated_mib": 77000,
+            "ttft_speedup": 1.0,
+            "attention_speedup": 1.0,
         },
         {
             **base,
@@ -65,6 +67,8 @@ def test_scale_report_from_records(tmp_path):
             "attention_ms": 50.0,
             "selector_ms": 5.0,
             "peak_allocated_mib": 77000,
+            "ttft_speedup": 3.0,  # as bench.ttft writes them: dense over method
+            "attention_speedup": 12.0,
         },
         {
             **base,

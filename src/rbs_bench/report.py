@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from rbs_bench.methods import DENSE
 from rbs_bench.records import read_records, write_atomic
 
 CELL = ["method", "budget"]
@@ -95,7 +96,7 @@ def summarize(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         )
         .reset_index()
     )
-    order = {"dense": 0}
+    order = {DENSE: 0}  # the reference first
     overall = overall.sort_values(
         by=CELL, key=lambda c: c.map(lambda v: (order.get(v, 1), v)) if c.name == "method" else c
     )
