@@ -107,6 +107,17 @@ def is_local(src: str, suffixes: tuple[str, ...] = (".json", ".jsonl")) -> bool:
     return path_like or src.count("/") != 1 or Path(src).expanduser().exists()
 
 
+def stamped(src: str, path: Path) -> tuple[Path, int]:
+    """(`path`, its modification time in ns): the cache key of a local copy's rows; a file that
+    cannot be read is a ValueError naming benchmark.data.dataset and the file."""
+    try:
+        return path, path.stat().st_mtime_ns
+    except OSError as e:
+        raise ValueError(
+            f"benchmark.data.dataset={src}: cannot read {path} ({e.strerror or e})"
+        ) from None
+
+
 def kind(value: Any) -> str:
     """The JSON-ish name of a value's type, for messages about bad rows."""
     return "null" if value is None else type(value).__name__

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 # The sample type, middle truncation and data-source parsing are shared (benchmarks._text).
-from rbs_bench.benchmarks._text import Encoder, Sample, fit_middle, is_local, source
+from rbs_bench.benchmarks._text import Encoder, Sample, fit_middle, is_local, source, stamped
 
 # Bump the suffix whenever prompts, truncation or scorers change: it goes into every result row.
 VERSION = "infinitebench-88b3daa.rbs1"
@@ -253,13 +253,7 @@ SOURCE_HINT = f"the hub id {HUB_ID} or a local directory of <task>.jsonl files"
 
 def _local_file(task: str, src: str) -> tuple[Path, int]:
     """The task's file `<src>/<task>.jsonl` and its modification time."""
-    path = Path(src).expanduser() / f"{task}.jsonl"
-    try:
-        return path, path.stat().st_mtime_ns
-    except OSError as e:
-        raise ValueError(
-            f"benchmark.data.dataset={src}: cannot read {path} ({e.strerror or e})"
-        ) from None
+    return stamped(src, Path(src).expanduser() / f"{task}.jsonl")
 
 
 def check_data(task: str, data: dict | None) -> None:

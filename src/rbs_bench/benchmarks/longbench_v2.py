@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 # The sample type, middle truncation and data-source parsing are shared (benchmarks._text).
-from rbs_bench.benchmarks._text import Encoder, Sample, fit_middle, is_local, source
+from rbs_bench.benchmarks._text import Encoder, Sample, fit_middle, is_local, source, stamped
 
 # Bump the suffix whenever prompts, truncation or row order change: it goes into every result row.
 VERSION = "longbench_v2-2e00731.rbs1"
@@ -154,13 +154,7 @@ SOURCE_HINT = f"the hub id {HUB_ID} or a local data.json/.jsonl copy"
 def _local_file(src: str) -> tuple[Path, int]:
     """The local copy named by `src` (a directory: its data.json) and its modification time."""
     path = Path(src).expanduser()
-    path = path / "data.json" if path.is_dir() else path
-    try:
-        return path, path.stat().st_mtime_ns
-    except OSError as e:
-        raise ValueError(
-            f"benchmark.data.dataset={src}: cannot read {path} ({e.strerror or e})"
-        ) from None
+    return stamped(src, path / "data.json" if path.is_dir() else path)
 
 
 def check_data(task: str, data: dict | None) -> None:
