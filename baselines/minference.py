@@ -206,16 +206,25 @@ def _check_int(name: str, value, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
+# Query rows per chunk of `pattern_mass`: at most 512, fewer where a chunk's fp32 rows [B, Hq, T, N]
+# (about five of them live at once: logits, softmax, the diagonal gather and its mask) would pass
+# this many bytes. At 128K with 32 heads a 512-row chunk held 34 GiB; 4 GiB keeps 51 rows.
+PATTERN_MASS_WORKSPACE = 4 * 2**30
+
+
 def pattern_mass(
-    q: Tensor, k: Tensor, scale: float | None, patterns: list, chunk: int = 512
+    q: Tensor, k: Tensor, scale: float | None, patterns: list, chunk: int | None = None
 ) -> list[Tensor]:
     """fp32 [B, Hq] per token pattern (MInference): the dense softmax mass, summed over the query
-    rows, on the pattern's (query, key) pairs. One chunked dense pass serves every pattern.
+    rows, on the pattern's (query, key) pairs. One chunked dense pass serves every pattern
+    (`chunk` query rows at a time; by default as many as PATTERN_MASS_WORKSPACE allows, <= 512).
 
     kept = column mass of its columns + diagonal mass of its offsets - the pairs on both; only the
     overlap term reads single entries, at the union of the patterns' columns (O(N x columns)).
     """
     b, h, n, _ = q.shape
+    if chunk is None:
+        chunk = max(1, min(512, PATTERN_MASS_WORKSPACE // (5 * 4 * b * h * n)))
     pos = torch.arange(n, device=q.device)
     col_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over rows t of p_t(s), per key s
     diag_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over t of p_t(t - d), per offset d

@@ -211,3 +211,29 @@ def test_bad_fields_raise(fields, message):
         methods.build("minference", **fields)
     with pytest.raises(ValueError, match="ratio must be"):
         MInference().with_knob(-1.0)
+
+
+def test_pattern_mass_chunks_bound_their_workspace(monkeypatch):
+    """The default chunk shrinks so that a chunk's fp32 rows fit PATTERN_MASS_WORKSPACE; the
+    mass does not depend on the chunk."""
+    from rbs_bench.baselines import minference
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 4, 300, 16, generator=g) * 2, torch.randn(1, 2, 300, 16, generator=g)
+    base = minference.MInference(
+        vertical_size=40, slash_size=60, last_q=16, sink_tokens=3, local_diagonals=5
+    )
+    pats = [base.with_knob(r).select(q, k) for r in (0.2, 2.0)]
+    whole = minference.pattern_mass(q, k, None, pats, chunk=512)
+    chunks = []
+    real = minference.causal_softmax_chunks
+
+    def spy(q, k, scale, chunk):
+        chunks.append(chunk)
+        return real(q, k, scale, chunk)
+
+    monkeypatch.setattr(minference, "causal_softmax_chunks", spy)
+    monkeypatch.setattr(minference, "PATTERN_MASS_WORKSPACE", 5 * 4 * 4 * 300 * 7)  # 7 rows
+    for got, want in zip(minference.pattern_mass(q, k, None, pats), whole):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert chunks == [7]
