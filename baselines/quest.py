@@ -38,7 +38,6 @@ Triton is installed, else "torch". Both give the same selection up to near ties 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -57,29 +56,19 @@ from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.rbs import SELECTOR_TABLES
 from rbs_bench.methods.selection import (
     BlockSelection,
-    BlockSelector,
-    candidate_mask,
-    check_impl,
+    TopRatio,
     use_triton,
 )
 
-__all__ = ["RATIO", "Quest", "box_scores_ref", "box_stats_ref", "top_fraction"]
-
-RATIO = 0.1
+__all__ = ["Quest", "box_scores_ref", "box_stats_ref", "top_fraction"]
 
 
 @dataclass(frozen=True)
-class Quest(BlockSelector):
+class Quest(TopRatio):
     """Quest's box bound per (query block, key block), top `ratio` of the candidates, RBS's forced
     blocks. Knob: ratio (larger keeps more)."""
 
-    ratio: float = RATIO
-    impl: str = "auto"
-
     name = "quest"
-    knob = "ratio"
-    knob_direction = 1  # a larger ratio keeps more blocks
-    knob_range = (0.0, 1.0)  # a fraction: calibration searches it linearly
     info = MethodInfo(
         display="Quest-style",
         order=5,
@@ -88,13 +77,6 @@ class Quest(BlockSelector):
         style=("#8c564b", "^"),
         throughput=True,
     )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        r = self.ratio
-        if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= 1):
-            raise ValueError(f"ratio must be a number in [0, 1], got {r!r}")
-        check_impl(self.impl)
 
     def block_statistics(self, k: Tensor) -> list[tuple[str, Tensor]]:
         """The per-key-block box this rule reads from keys k [B, Hkv, N, D], built as `select`
@@ -111,9 +93,7 @@ class Quest(BlockSelector):
             count, index = quest_select(q, *box_stats(k, bs), bs, self.ratio, *forced)
             return BlockSelection(count, index, bs, bs, n)
         kmin, kmax = box_stats_ref(k, self.block_size)
-        scores = box_scores_ref(q, kmin, kmax, self.block_size)
-        cand = candidate_mask(scores.shape[-1], q.device)
-        return self._finish(top_fraction(scores, cand, self.ratio), q.shape[2])
+        return self._keep_top(box_scores_ref(q, kmin, kmax, self.block_size), n)
 
 
 def main() -> None:

@@ -24,33 +24,24 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rbs_bench.kernels.quest_select import MAX_BLOCKS, top_fraction, top_fraction_select
+from rbs_bench.kernels.quest_select import MAX_BLOCKS, top_fraction_select
 from rbs_bench.methods.info import MethodInfo
 from rbs_bench.methods.mass import true_block_mass
 from rbs_bench.methods.selection import (
     BlockSelection,
-    BlockSelector,
+    TopRatio,
     candidate_mask,
     causal_block_mask,
-    check_impl,
     forced_mask,
     use_triton,
 )
 
-RATIO = 0.1
-
 
 @dataclass(frozen=True)
-class Oracle(BlockSelector):
+class Oracle(TopRatio):
     """Top `ratio` of each query block's candidates by true attention mass, plus forced blocks."""
 
-    ratio: float = RATIO
-    impl: str = "auto"
-
     name = "oracle"
-    knob = "ratio"
-    knob_direction = 1  # a larger ratio keeps more blocks
-    knob_range = (0.0, 1.0)  # a fraction: calibration searches it linearly
     info = MethodInfo(
         display="Oracle",
         order=9,
@@ -59,13 +50,6 @@ class Oracle(BlockSelector):
         reference=True,  # never the best of a row in the tables
         compare=False,  # reads the dense attention: not in the speed or observation studies
     )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        r = self.ratio
-        if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= 1):
-            raise ValueError(f"ratio must be a number in [0, 1], got {r!r}")
-        check_impl(self.impl)
 
     def _triton(self, q: Tensor) -> bool:
         """Whether this selector's block mass comes from the Triton kernel."""
@@ -103,5 +87,4 @@ class Oracle(BlockSelector):
             forced = (self.sink_blocks, self.window_blocks, self.last_q_blocks)
             count, index = top_fraction_select(mass, self.ratio, *forced)
             return BlockSelection(count, index, bs, bs, n)
-        cand = candidate_mask(mass.shape[-1], q.device)
-        return self._finish(top_fraction(mass, cand, self.ratio), n)
+        return self._keep_top(mass, n)

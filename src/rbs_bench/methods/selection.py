@@ -27,6 +27,7 @@ from rbs_bench.kernels.block_sparse_attn import (
     block_lists_from_mask,
     block_mask_from_lists,
 )
+from rbs_bench.kernels.quest_select import top_fraction
 from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 
 __all__ = [
@@ -211,6 +212,33 @@ class BlockSelector:
             m, self.sink_blocks, self.window_blocks, self.last_q_blocks, keep.device
         )
         return BlockSelection.from_mask(keep | forced, self.block_size, self.block_size, n)
+
+
+@dataclass(frozen=True)
+class TopRatio(BlockSelector):
+    """A block selector that keeps, per query block, the top `ratio` of its candidates by a block
+    score (Quest's box bound, the oracle's true mass), plus the forced blocks; `impl` picks the
+    PyTorch or the Triton code (`use_triton`). Knob: ratio, a fraction searched linearly."""
+
+    ratio: float = 0.1
+    impl: str = "auto"
+
+    knob = "ratio"
+    knob_direction = 1  # a larger ratio keeps more blocks
+    knob_range = (0.0, 1.0)  # a fraction: calibration searches it linearly
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        r = self.ratio
+        if not (isinstance(r, (int, float)) and math.isfinite(r) and 0 <= r <= 1):
+            raise ValueError(f"ratio must be a number in [0, 1], got {r!r}")
+        check_impl(self.impl)
+
+    def _keep_top(self, scores: Tensor, n: int) -> BlockSelection:
+        """The PyTorch path's end: the top `ratio` of each row's candidates by `scores`
+        [B, Hq, M, M] (ties to the lower block id), then the forced blocks."""
+        cand = candidate_mask(scores.shape[-1], scores.device)
+        return self._finish(top_fraction(scores, cand, self.ratio), n)
 
 
 def check_impl(impl: str) -> None:
