@@ -140,3 +140,20 @@ def test_check_data_names_a_missing_source(name, tmp_path):
         bench.check_data(task, {"dataset": str(tmp_path / "absent.json")})
     with pytest.raises(ValueError, match="unknown"):
         bench.check_data("no_such_task", {"dataset": "owner/name"})
+
+
+def test_benchmark_entry_points_are_read_once_per_sys_path(monkeypatch, tmp_path):
+    calls = []
+    real = benchmarks.entry_points
+
+    def counted(**kw):
+        calls.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(benchmarks, "entry_points", counted)
+    monkeypatch.syspath_prepend(str(tmp_path))  # a sys.path not read yet
+    for _ in range(3):
+        benchmarks.get("ruler")
+    assert len(calls) == 1
+    monkeypatch.syspath_prepend(str(FIXTURE))  # a distribution put on sys.path: read again
+    assert "echo" in benchmarks.available() and len(calls) == 2

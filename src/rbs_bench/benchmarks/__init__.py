@@ -14,6 +14,7 @@ the shipped ones.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
@@ -66,16 +67,26 @@ class Benchmark(Protocol):
     def aggregate(self, df) -> Any: ...
 
 
+# The last scan of the entry points and the sys.path it read: scanning the installed
+# distributions takes milliseconds, and tables look a benchmark up once per cell.
+_SCAN: tuple[tuple[str, ...], dict[str, Callable[[], Any]]] | None = None
+
+
 def _registered() -> dict[str, Callable[[], Any]]:
-    """name -> loader of every benchmark: this package's, then the entry points'."""
-    out: dict[str, Callable[[], Any]] = {
-        name: (lambda mod=mod: importlib.import_module(mod)) for name, mod in BENCHMARKS.items()
-    }
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        if ep.name in out:
-            raise ValueError(f"a plugin registers benchmark {ep.name!r}, which already exists")
-        out[ep.name] = ep.load
-    return out
+    """name -> loader of every benchmark: this package's, then the entry points' (read again
+    whenever sys.path changed since the last read, as when a distribution is put on it)."""
+    global _SCAN
+    key = tuple(sys.path)
+    if _SCAN is None or _SCAN[0] != key:
+        out: dict[str, Callable[[], Any]] = {
+            name: (lambda mod=mod: importlib.import_module(mod)) for name, mod in BENCHMARKS.items()
+        }
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            if ep.name in out:
+                raise ValueError(f"a plugin registers benchmark {ep.name!r}, which already exists")
+            out[ep.name] = ep.load
+        _SCAN = (key, out)
+    return dict(_SCAN[1])
 
 
 def available() -> list[str]:
