@@ -100,6 +100,44 @@ def _qk_tile(q, k_base, stride_kn, j, offs, key_ok, d_ok, block_size, IEEE: tl.c
 
 
 @jit
+def _query_tile(
+    Q,
+    K,
+    stride_qb,
+    stride_qh,
+    stride_qn,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kd,
+    n_ctx,
+    heads,
+    group,
+    block_size,
+    d_head,
+    BLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """This program's query block: (i, batch b, head h, offsets, rows, in-block and real-row
+    masks, head-dim mask, the query tile [BLOCK, BLOCK_D], the base pointer of its KV head's keys
+    at column 0), from program ids (query block, batch x query head)."""
+    i = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = i * block_size + offs
+    in_block = offs < block_size
+    row_ok = in_block & (rows < n_ctx)
+    d_ok = offs_d < d_head
+    q_ptrs = Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn
+    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0)
+    k_base = K + b * stride_kb + (h // group) * stride_kh + offs_d[None, :] * stride_kd
+    return i, b, h, offs, rows, in_block, row_ok, d_ok, q, k_base
+
+
+@jit
 def _row_stats(
     q,
     k_base,
@@ -211,19 +249,10 @@ def _block_mass_kernel(
     SPLIT: tl.constexpr,  # key blocks before the diagonal skip the causal and padding masks
 ):
     # one program: query block i of (batch, query head); the query tile stays on chip
-    i = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = i * block_size + offs
-    in_block = offs < block_size
-    row_ok = in_block & (rows < n_ctx)
-    d_ok = offs_d < d_head
-    q_ptrs = Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn
-    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0)
-    k_base = K + b * stride_kb + (h // group) * stride_kh + offs_d[None, :] * stride_kd
+    i, b, h, offs, rows, in_block, row_ok, d_ok, q, k_base = _query_tile(
+        Q, K, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kd,
+        n_ctx, heads, group, block_size, d_head, BLOCK, BLOCK_D,
+    )  # fmt: skip
     diag = i if SPLIT else 0  # without SPLIT every key block takes the masks (the first version)
 
     # pass 1: row max and normaliser over key blocks 0..i (every real row sees its own key)
@@ -285,19 +314,10 @@ def _kept_mass_kernel(
 ):
     # one program: query block i of (batch, query head): the row statistics over every causal key
     # block, then the mass of the kept blocks only (the selection's list of row i)
-    i = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, BLOCK_D)
-    rows = i * block_size + offs
-    in_block = offs < block_size
-    row_ok = in_block & (rows < n_ctx)
-    d_ok = offs_d < d_head
-    q_ptrs = Q + b * stride_qb + h * stride_qh + rows[:, None] * stride_qn
-    q = tl.load(q_ptrs + offs_d[None, :] * stride_qd, mask=row_ok[:, None] & d_ok[None, :], other=0)
-    k_base = K + b * stride_kb + (h // group) * stride_kh + offs_d[None, :] * stride_kd
+    i, b, h, offs, rows, in_block, row_ok, d_ok, q, k_base = _query_tile(
+        Q, K, stride_qb, stride_qh, stride_qn, stride_qd, stride_kb, stride_kh, stride_kd,
+        n_ctx, heads, group, block_size, d_head, BLOCK, BLOCK_D,
+    )  # fmt: skip
     m_safe, inv_l = _row_stats(
         q, k_base, stride_kn, i, offs, rows, row_ok, in_block, d_ok, n_ctx, block_size,
         scale_log2, i, BLOCK, IEEE, EVEN,
