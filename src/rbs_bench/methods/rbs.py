@@ -70,11 +70,6 @@ class _Family(BlockSelector):
     # (rbs_bench.budget.FINE_GRID) instead of selecting once per value of a short one
     exact_curve = True
 
-    def _curve_branches(self, radius: Tensor) -> tuple[list, list[float]]:
-        """Per branch: the score's uplift (None: the centroid alone) and log of its threshold at
-        knob value 1."""
-        raise NotImplementedError
-
     def density_curve(self, q: Tensor, k: Tensor, scale, values) -> np.ndarray:
         """Density [V] at each knob value in `values`, exact, from one scoring (what `select` at
         that value measures, up to rounding at a threshold).
@@ -82,7 +77,9 @@ class _Family(BlockSelector):
         q [B, Hq, N, D], k [B, Hkv, N, D]. A candidate pair (i, b) is kept at threshold alpha iff
         log(alpha) <= L[i, b] - max_b' L[i, b']; for rbs at scale s iff log(s) is at most the
         larger of the two branches' gaps less log(0.22) and log(0.18). A branch's top block (gap
-        0) and the forced pairs are kept at every knob value of the range.
+        0) and the forced pairs are kept at every knob value of the range. Each variant names
+        its branches in `_curve_branches(radius)`: per branch, the score's uplift (None: the
+        centroid alone) and the log of its threshold at knob value 1.
         """
         bs, n, dev = self.block_size, q.shape[2], q.device
         centroid, radius = block_stats_ref(k, bs)
