@@ -52,7 +52,8 @@ class PrefillRecorder:
 
     timing: bool = True
     # Also the attention recall of each layer: the share of the dense softmax mass on the kept
-    # pairs (rbs_bench.methods.mass.attention_recall); costs a dense pass per layer, untimed.
+    # pairs (rbs_bench.methods.mass.attention_recall); costs a dense pass per layer, timed apart
+    # (recall_s) so that the runner can leave it out of the prefill's time.
     recall: bool = False
     layers: dict[int, _LayerRecord] = field(default_factory=dict)
     _pending: list[tuple[int, Tensor]] = field(default_factory=list)  # deferred finiteness checks
