@@ -38,6 +38,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -477,6 +478,18 @@ def write(
     partial = out.with_name(out.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
     names = [shard_name(i, len(cut)) for i in range(len(cut))]
+    left = sum(
+        t.nbytes
+        for shard, f in zip(cut, names, strict=True)
+        for t in shard
+        if not (partial / f).is_file()
+    )
+    free = shutil.disk_usage(partial).free
+    if left > free:
+        raise ValueError(
+            f"{partial.parent} has {free / 2**30:.1f} GiB free, the checkpoint needs "
+            f"{left / 2**30:.1f} GiB more; give --out on a larger disk"
+        )
     job = about | {"shards": names}
     job_file = partial / "plan.json"
     if job_file.is_file() and json.loads(job_file.read_text()) != job:
@@ -516,7 +529,7 @@ def write(
     job_file.unlink()
     os.rename(partial, out)
     gib = total / 2**30
-    print(f"{out}: {name}, {len(weight_map)} tensors in {len(names)} shards ({gib:.1f} GiB)")
+    print(f"{out}: {name}, {len(weight_map)} tensors in {len(names)} file(s), {gib:.1f} GiB")
     return out
 
 

@@ -101,6 +101,25 @@ def write_checkpoint(
     return checkpoint.write(name, out, fields, seed=seed, device=device, **kwargs)
 
 
+def _field_overrides(items: list[str]) -> dict:
+    """{"text_config": {"num_experts": 8}} from ["text_config.num_experts=8"] (JSON values)."""
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set {item!r}: give FIELD=VALUE, e.g. --set hidden_size=256")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value  # a bare string
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = parsed
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """`write`: a rehearsal checkpoint in the hub's layout (rbs_bench.models.checkpoint)."""
     import argparse
@@ -116,6 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--layers", type=int, help="decoder layers (default: the model's own)")
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--device", default="cpu", help="where tensors are drawn: cpu or cuda")
+    w.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="an architecture field to replace, VALUE as JSON (e.g. hidden_size=256, "
+        "text_config.num_experts=8): a smaller model of the same layout, for smoke tests",
+    )
     w.add_argument("--shard-gib", type=float, default=checkpoint.DEFAULT_SHARD_BYTES / 2**30)
     w.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -126,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             layers=args.layers,
             seed=args.seed,
             device=args.device,
+            overrides=_field_overrides(args.set),
             shard_bytes=int(args.shard_gib * 2**30),
             progress=not args.no_progress,
         )
