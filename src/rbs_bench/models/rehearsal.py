@@ -7,6 +7,12 @@ tokenizer of `model=tiny`. Their answers are noise, so their scores mean nothing
 number a run records is real: time, memory, measured density, calibration cost. That makes them the
 way to rehearse a cluster setup (memory per GPU, seconds per sample, SLURM limits) before spending
 GPU hours on the real checkpoints.
+
+Rehearsal checkpoints go one step further: `python -m rbs_bench.models.rehearsal write --model
+qwen3_30b_a3b_fp8 --out DIR` (`write_checkpoint`) writes a shipped architecture with seeded random
+weights as the hub's checkpoint of that model lays it out (FP8 weights and scales for the FP8
+models, `rbs_bench.models.checkpoint`), which `model=qwen3_30b_a3b_fp8 model.path=DIR` loads
+through from_pretrained exactly as the hub id.
 """
 
 from __future__ import annotations
