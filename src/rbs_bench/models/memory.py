@@ -249,13 +249,17 @@ def estimate_model(
     layers: int | None = None,
     ffn_chunk_tokens: int | None = 16384,
     weight_bytes_per_param: int | None = None,
+    visual_tokens: int | None = None,
 ) -> Estimate:
     """`estimate` for a model name: FP8 weights for the `*_fp8` models (unless
-    `weight_bytes_per_param` is given), and for a VL model the video tokens of a Video-MME sample
-    (at most `context`)."""
+    `weight_bytes_per_param` is given), and for a VL model `visual_tokens` of the context from its
+    vision tower (default: a Video-MME sample's, at most `context`)."""
     config = model_config(name, layers)
     fp8 = is_fp8(name) and weight_bytes_per_param is None
-    visual = min(video_tokens(), context) if _vision(config) is not None else 0
+    if _vision(config) is None:
+        visual = 0
+    else:
+        visual = min(video_tokens() if visual_tokens is None else visual_tokens, context)
     return estimate(
         config, context, batch, weight_bytes_per_param or 2, ffn_chunk_tokens, fp8, visual
     )
