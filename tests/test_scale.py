@@ -116,7 +116,10 @@ def test_scale_report_names_gpu_count_and_visual_share(tmp_path):
         ("ruler_budget", "qwen3_30b_a3b_fp8", "dense"): {"gpus": 1},
         ("videomme", "qwen3_vl_30b_a3b_thinking_fp8", "dense"): {
             "gpus": 1,
-            "context_length": 32768,
+            "context_length": 32768,  # a cap: the prompt is shorter
+            "input_tokens": 12000,
+            "new_tokens": 16,
+            "visual_tokens": 10800,
             "visual_token_share": 0.9,
         },
         ("ruler_budget", "qwen3_30b_a3b_random", "dense"): {},  # older records: no gpus field
@@ -137,5 +140,7 @@ def test_scale_report_names_gpu_count_and_visual_share(tmp_path):
     fp8 = memory.estimate_model("qwen3_30b_a3b_fp8", 131072).total / memory.GiB
     assert rows["qwen3_30b_a3b_fp8"][12] == f"{fp8:.1f}" and rows["qwen3_30b_a3b_fp8"][15] == "1"
     vl = rows["qwen3_vl_30b_a3b_thinking_fp8"]
+    est = memory.estimate_model("qwen3_vl_30b_a3b_thinking_fp8", 12016, visual_tokens=10800)
+    assert vl[12] == f"{est.total / memory.GiB:.1f}"  # at the longest request, not the cap
     assert vl[16] == "90.0" and rows["qwen3_30b_a3b_random"][15] == "1"
     assert rows["qwen3_30b_a3b_random"][16] == "–"
