@@ -56,6 +56,9 @@ class ModelCfg:
     # How, not what: neither changes a prediction, so neither is part of a record's fingerprint.
     ffn_chunk_tokens: int | None = 16384  # feed-forward blocks run over this many tokens at once
     device_map: str | None = None  # "auto": spread the layers over every visible GPU (accelerate)
+    # Compile each decoder layer's regions outside attention (rbs_bench.models.fastpath); None:
+    # on CUDA only. The logits equal the eager model's within rounding.
+    compile: bool | None = None
 
 
 @dataclass
@@ -141,6 +144,7 @@ class TimingCfg:
     repeats: int | None = None  # timed requests (median reported); None: 3 on CUDA, 1 on a CPU
     batch_repeats: int | None = None  # timed requests of batch > 1 rows; None: repeats
     ffn_chunk_tokens: int | None = 16384  # feed-forward blocks over this many tokens; 0: all
+    compile: bool | None = None  # layers' regions outside attention compiled; None: on CUDA only
     sdpa_backend: str = "default"  # dense SDPA backend: default | flash | cudnn | efficient | math
     seed: int = 0  # random weights and prompt tokens
     out_dir: str | None = None  # None: <results_dir>/speed

@@ -213,11 +213,14 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
 
 @torch.inference_mode()
 def _warm_up(loaded: Loaded, sample) -> None:
-    """One untimed prefill of a prompt of this length, so kernel compilation is not timed."""
+    """One untimed prefill of a prompt of this length and one decode step, so that kernel
+    compilation and autotuning (and the compiled layers' graphs) are not timed."""
     from rbs_bench.models.vision import reset_position_state
 
     reset_position_state(loaded.model)
-    loaded.model(**model_inputs(loaded, sample), use_cache=True, logits_to_keep=1)
+    out = loaded.model(**model_inputs(loaded, sample), use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    loaded.model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
     torch.cuda.synchronize(loaded.device)
 
 

@@ -150,6 +150,7 @@ class Settings:
     repeats: int
     batch_repeats: int  # timed requests of a row at batch > 1
     ffn_chunk_tokens: int | None  # feed-forward blocks over this many tokens at once (None: all)
+    compile: bool  # the decoder layers' regions outside attention compiled (models.fastpath)
     executor: str
     sdpa_backend: str
     seed: int
@@ -233,6 +234,8 @@ def resolve(
         resolve_executor(executor, dev)
     except ValueError as e:
         raise UserError(str(e)) from None
+    from rbs_bench.models import fastpath
+
     batch_contexts = pick("batch_contexts")
     batch_contexts = contexts if batch_contexts is None else [int(n) for n in batch_contexts]
     return Settings(
@@ -249,6 +252,7 @@ def resolve(
         repeats=int(repeats),
         batch_repeats=int(batch_repeats),
         ffn_chunk_tokens=chunk,
+        compile=fastpath.enabled(tc.compile, dev),
         executor=executor,
         sdpa_backend=tc.sdpa_backend,
         seed=int(tc.seed),
@@ -389,7 +393,7 @@ class Loaded:
 def build_model(s: Settings, overrides: dict | None = None) -> Loaded:
     """The random-weight model of `s` on its device, with `rbs_timed` attention and a probe on
     every attention module. `overrides` change config fields (tests shrink the MoE with it)."""
-    from rbs_bench.models import rehearsal, tiny
+    from rbs_bench.models import fastpath, rehearsal, tiny
     from rbs_bench.models.feedforward import chunk_feedforward
 
     register_timed()
@@ -414,6 +418,7 @@ def build_model(s: Settings, overrides: dict | None = None) -> Loaded:
         cfg = tiny.tiny_config(num_hidden_layers=s.layers, **(overrides or {}))
         model = tiny.build_model(cfg).to(s.device)
         what = f"tiny Qwen3 (rbs_bench.models.tiny), random weights, {s.layers} layers, fp32"
+    fastpath.install(model, s.compile)
     chunk_feedforward(model, s.ffn_chunk_tokens)
     model.eval()
     model.set_attn_implementation(TIMED_IMPL)
@@ -715,7 +720,9 @@ def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, cal: Calibrated | 
 # ------------------------------------------------------------------------------------------------
 # The run: plan, resume, calibrate, time, write.
 
-KEY = ("model", "layers", "dtype", "batch", "n", "method", "target", "ffn_chunk_tokens")
+KEY = (
+    "model", "layers", "dtype", "batch", "n", "method", "target", "ffn_chunk_tokens", "compile"
+)
 
 
 def _chunk_key(value) -> int:
@@ -729,6 +736,8 @@ def row_key(r: dict) -> tuple:
         if k == "target"
         else _chunk_key(r.get(k))
         if k == "ffn_chunk_tokens"
+        else as_bool(r.get(k))  # rows from before the column ran eager
+        if k == "compile"
         else (int(r[k]) if k in ("layers", "batch", "n") else str(r[k]))
         for k in KEY
     )
@@ -753,7 +762,9 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     # rows from before the column ran their feed-forward blocks unchunked: 0
     chunk = df["ffn_chunk_tokens"] if "ffn_chunk_tokens" in df else pd.Series(0, index=df.index)
     df["ffn_chunk_tokens"] = chunk.fillna(0).astype(int)
-    keys = ["model", "layers", "dtype", "batch", "n", "ffn_chunk_tokens"]
+    # rows from before the column ran every layer eagerly
+    df["compile"] = df["compile"].map(as_bool) if "compile" in df else False
+    keys = ["model", "layers", "dtype", "batch", "n", "ffn_chunk_tokens", "compile"]
     ok = df["status"] == "ok"
     dense = df[ok & (df["method"] == methods.DENSE)].drop_duplicates(keys, keep="last")
     dense = dense[keys + ["ttft_ms", "attention_ms"]].rename(
@@ -833,6 +844,7 @@ def run(s: Settings) -> pd.DataFrame:
     done = {row_key(r) for r in rows}
     common = {"model": s.model, "layers": s.layers, "dtype": MODEL_DTYPES[s.model]}
     common["ffn_chunk_tokens"] = s.ffn_chunk_tokens or 0
+    common["compile"] = s.compile
 
     def key(b, n, m):
         return row_key({**common, "batch": b, "n": n, "method": m, "target": _target(s, m)})
@@ -1080,6 +1092,12 @@ def main(argv: list[str] | None = None) -> int:
         default=d.ffn_chunk_tokens,
         help="feed-forward blocks over this many tokens at once (0: all at once)",
     )
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=d.compile,
+        help="compile each layer's regions outside attention (default: on CUDA only)",
+    )
     ap.add_argument("--executor", default="auto")
     ap.add_argument("--sdpa-backend", default=d.sdpa_backend, choices=SDPA_BACKENDS)
     ap.add_argument("--seed", type=int, default=d.seed)
@@ -1107,6 +1125,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         batch_repeats=args.batch_repeats,
         ffn_chunk_tokens=args.ffn_chunk_tokens,
+        compile=args.compile,
         sdpa_backend=args.sdpa_backend,
         seed=args.seed,
         time_budget_s=args.time_budget_s,
