@@ -18,6 +18,7 @@ from tqdm import tqdm
 from rbs_bench import benchmarks, models
 from rbs_bench.config import UserError, out_of_time
 from rbs_bench.execution import resolve_executor
+from rbs_bench.models import fastpath
 from rbs_bench.models.hf_attention import install, uninstall
 from rbs_bench.records import RecordStore, cell_lock, check_settings, write_settings
 from rbs_bench.session import (
@@ -258,8 +259,7 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
     if gpus:
         memory["peak_allocated_mib"] = round(max(map(torch.cuda.max_memory_allocated, gpus)) / MiB)
         memory["peak_reserved_mib"] = round(max(map(torch.cuda.max_memory_reserved, gpus)) / MiB)
-        if len(gpus) > 1:
-            memory["gpus"] = len(gpus)
+        memory["gpus"] = len(gpus)
     pred = loaded.tokenizer.decode(new, skip_special_tokens=True)
     return {
         "experiment": experiment,
@@ -304,5 +304,9 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
         "device": str(loaded.device),
         "gpu": torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else None,
         "executor": resolve_executor(cfg.executor, loaded.device),
+        # how the model ran (not part of the records' fingerprint: neither changes a prediction
+        # beyond rounding): its feed-forward token chunk and whether its layers were compiled
+        "ffn_chunk_tokens": cfg.model.ffn_chunk_tokens,
+        "compiled": fastpath.is_installed(loaded.model),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

@@ -42,6 +42,9 @@ HEAD = (
 )
 
 
+OLD_FFN_CHUNK = 16384  # the feed-forward chunk of runs that did not record theirs
+
+
 def gpu_slug(name: str) -> str:
     """A GPU's name as used in file names ("NVIDIA H200" -> "nvidia_h200")."""
     return re.sub(r"[^a-z0-9]+", "_", str(name).lower()).strip("_")
@@ -53,15 +56,20 @@ def _display(method: str) -> str:
     return methods.display(method)
 
 
-def _estimate_gib(model: str, context: int, batch: int = 1, layers: int | None = None):
-    """The memory estimate's total in GiB, or None for a model without a shipped architecture."""
+def _estimate_gib(
+    model: str, context: int, batch: int = 1, layers: int | None = None, chunk: int | None = None
+):
+    """The memory estimate's total in GiB, or None for a model without a shipped architecture.
+    `chunk`: the run's feed-forward token chunk (records and rows from before it was recorded
+    ran 16384)."""
     from rbs_bench.models import memory
 
     try:
         config = memory.model_config(model, layers)
     except ValueError:  # the embedded tiny model, or a hub model without a shipped config
         return None
-    return memory.estimate(config, context, batch, ffn_chunk_tokens=16384).gib()["total"]
+    chunk = OLD_FFN_CHUNK if chunk is None or pd.isna(chunk) else int(chunk) or None
+    return memory.estimate(config, context, batch, ffn_chunk_tokens=chunk).gib()["total"]
 
 
 def _num(x, spec: str) -> str:
@@ -124,6 +132,8 @@ def run_cells(results: Path) -> pd.DataFrame:
                     "density_p90": float(np.nanpercentile(flat, 90)),
                     "recall": _mean(recs, "recall"),
                     "recall_s": _mean(recs, "recall_s"),
+                    "ffn_chunk_tokens": recs[0].get("ffn_chunk_tokens"),
+                    "gpus": max(r.get("gpus") or 1 for r in recs),
                     "source": str(path),
                 }
             )
@@ -153,7 +163,9 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
     ]
     cells = cells.sort_values(["experiment", "model", "context", "method", "budget"])
     for _, c in cells.iterrows():
-        est = _estimate_gib(c["model"], int(c["context"])) if c["context"] else None
+        est = None
+        if c["context"]:
+            est = _estimate_gib(c["model"], int(c["context"]), chunk=c.get("ffn_chunk_tokens"))
         out.append(
             f"| {c['experiment']} | {c['model']} | {_display(c['method'])} | {c['budget']} | "
             f"{c['context']:,} | {c['n']} | {c['prefill_s']:.2f} | {c['decode_s']:.2f} | "
@@ -282,7 +294,10 @@ def _ttft_section(df: pd.DataFrame, csv: Path) -> list[str]:
         ok = r["status"] == "ok"  # the speedups bench.ttft wrote beside each row
         xa = r.get("attention_speedup") if ok else None
         xt = r.get("ttft_speedup") if ok else None
-        est = _estimate_gib(str(r["model"]), int(r["n"]), int(r["batch"]), int(r["layers"]))
+        est = _estimate_gib(
+            str(r["model"]), int(r["n"]), int(r["batch"]), int(r["layers"]),
+            chunk=r.get("ffn_chunk_tokens"),
+        )  # fmt: skip
         out.append(
             f"| {r['model']} | {r['layers']} | {r['batch']} | {int(r['n']):,} | "
             f"{_display(r['method'])} | {r['status']} | {_num(r.get('density'), '.4f')} | "

@@ -44,8 +44,8 @@ PATHS = ("eager", "compiled")
 FAMILIES = (
     ("selector", r"_rbs_|block_stats|rescue_beta|_select|_score|_prep|_estimate|_pool"),
     ("attention", r"fmha|flash|sdpa|attention|attn|_block_sparse|cudnn"),
-    ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|matmul|_mm_|grouped|cublas|s16816|wgmma|sm90"),
-    ("fused", r"^triton_"),
+    ("gemm", r"^triton_tem|gemm|gemv|cutlass|nvjet|xmma|matmul|cublas|s16816|wgmma|fp8"),
+    ("fused", r"^triton_"),  # inductor's generated kernels (after its GEMM templates)
     ("sort", r"sort|radix|cub::"),
     ("index", r"index|gather|scatter|take|put_|embedding"),
     ("copy", r"copy|cat|memcpy|transpose|contiguous"),
@@ -159,9 +159,9 @@ def _layer_spans(model) -> tuple[list, list]:
     return spans, handles
 
 
-def profile_path(model, ids: torch.Tensor, layers: int, selector=None) -> tuple[dict, float]:
-    """({family: [ms, kernel count, {kernel: ms}]} per layer, layer ms) of one prefill, with
-    `selector` installed (None: dense SDPA)."""
+def profile_path(model, ids: torch.Tensor, layers: int, selector=None):
+    """({family: [ms, kernel count, {kernel: ms}]} per layer, layer ms, the prefill's peak MiB
+    beyond the weights) of one prefill, with `selector` installed (None: dense SDPA)."""
     from torch.profiler import ProfilerActivity, profile
 
     from rbs_bench.models.hf_attention import install, uninstall
@@ -174,9 +174,12 @@ def profile_path(model, ids: torch.Tensor, layers: int, selector=None) -> tuple[
             model(input_ids=ids, use_cache=True, logits_to_keep=1)  # warm: compile, autotune
             torch.cuda.synchronize()
             spans.clear()
+            torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_allocated()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 model(input_ids=ids, use_cache=True, logits_to_keep=1)
                 torch.cuda.synchronize()
+        peak_mib = (torch.cuda.max_memory_allocated() - held) / 2**20
     finally:
         for h in handles:
             h.remove()
@@ -192,14 +195,14 @@ def profile_path(model, ids: torch.Tensor, layers: int, selector=None) -> tuple[
         f[0] += ms
         f[1] += 1 / layers
         f[2][evt.name] = f[2].get(evt.name, 0.0) + ms
-    return fams, layer_ms
+    return fams, layer_ms, peak_mib
 
 
 def rows_for(path: str, fams: dict, layer_ms: float, gemm_ms: float, common: dict) -> list:
     total = sum(v[0] for v in fams.values())
     out = []
     for fam, (ms, count, kernels) in sorted(fams.items(), key=lambda kv: -kv[1][0]):
-        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:3]
+        top = sorted(kernels.items(), key=lambda kv: -kv[1])[:6]
         out.append(
             common
             | {
@@ -266,8 +269,10 @@ def run(args) -> pd.DataFrame:
             "method": args.method,
             "knob": args.knob,
             "torch": torch.__version__,
+            "run": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
-        fams, layer_ms = profile_path(lm.model, ids, s.layers, selector)
+        fams, layer_ms, peak_mib = profile_path(lm.model, ids, s.layers, selector)
+        common["prefill_peak_mib"] = round(peak_mib, 1)
         gemm_ms, parts = gemm_reference_ms(decoder_layers(lm.model)[0], args.context)
         rows += rows_for(path, fams, layer_ms, gemm_ms, common)
         rows.append(

@@ -10,7 +10,7 @@ YaRN to 128K) with random weights and `--layers` decoder layers (default 4; the 
 and 64), bf16. On a CPU, the embedded tiny Qwen3 (`rbs_bench.models.tiny`, 2 layers, fp32). Timing
 needs no trained weights: a prefill's cost depends on the shapes and on how many blocks each method
 keeps, and calibration fixes the latter on this input. Every table states the model and its layer
-count. Feed-forward blocks run over `--ffn-chunk-tokens` tokens at a time (16384;
+count. Feed-forward blocks run over `--ffn-chunk-tokens` tokens at a time (32768;
 `rbs_bench.models.feedforward`): unchunked, the MoE's intermediates alone take 18 GiB at 128K.
 
 Per context N (default 32K/64K/96K/128K on CUDA, 1K/2K on a CPU), largest first:

@@ -153,6 +153,8 @@ def _project(attn: torch.nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor):
         q, k = attn.q_norm(q), attn.k_norm(k)
     rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb  # the model's own RoPE
     q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    # left in the projections' [B, N, H, D] memory: made contiguous here, the queries cost a
+    # further copy in dense SDPA (measured, results/speed/layer_profile_*.csv)
     return q, k, v
 
 

@@ -25,6 +25,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from rbs_bench.config import FFN_CHUNK_TOKENS
+
 GiB = 2**30
 CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS/cuDNN workspaces and allocator slack, roughly
 ALLOC_CONF = "expandable_segments:True"
@@ -149,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--gpu-gib", type=float, default=79.0, help="usable memory per GPU (H100: 79)")
-    ap.add_argument("--ffn-chunk-tokens", type=int, default=16384, help="0: unchunked")
+    ap.add_argument(
+        "--ffn-chunk-tokens", type=int, default=FFN_CHUNK_TOKENS, help="0: unchunked"
+    )
     ap.add_argument("--weight-bytes", type=int, default=2, help="2 for bf16 weights, 1 for FP8")
     args = ap.parse_args(argv)
     try:
