@@ -137,6 +137,9 @@ class TimingCfg:
     each method inside a random-weight HF model (rbs_bench.bench.ttft). None: device default."""
 
     model: str | None = None  # tiny | qwen3_30b_a3b | qwen3_32b; None: qwen3_30b_a3b on CUDA
+    # A checkpoint directory loaded through from_pretrained (its own depth and dtype, e.g. the FP8
+    # checkpoint `python -m rbs_bench.models.rehearsal write` makes); `model` names its rows.
+    checkpoint: str | None = None
 
     layers: int | None = None  # decoder layers; None: 4 (qwen3_30b_a3b) or the tiny model's 2
     contexts: list[int] | None = None  # prompt tokens; None: 32K-128K on CUDA, 1K and 2K on a CPU

@@ -138,7 +138,7 @@ class Settings:
     """A resolved timing run: every field set, checked against the device and the registry."""
 
     device: torch.device
-    model: str
+    model: str  # the rows' model name: a shipped architecture, tiny, or a checkpoint's label
     layers: int
     contexts: list[int]
     batches: list[int]
@@ -158,6 +158,8 @@ class Settings:
     time_budget_s: float | None
     progress: bool = True
     retry_oom: bool = False
+    checkpoint: Path | None = None  # a checkpoint directory loaded through from_pretrained
+    dtype: str = ""  # the rows' dtype: the weights' (fp8 for block-FP8 checkpoints)
 
     @property
     def tag(self) -> str:
@@ -187,20 +189,28 @@ def resolve(
     dev = resolve_device(device)
     defaults = DEVICE_DEFAULTS["cuda" if dev.type == "cuda" else "cpu"]
     pick = lambda name: defaults[name] if getattr(tc, name) is None else getattr(tc, name)
-    model = pick("model")
-    if model not in MODELS:
-        raise UserError(f"timing.model={model!r}; valid: {', '.join(MODELS)}")
-    if model != "tiny" and dev.type != "cuda":
-        raise UserError(
-            f"timing.model={model} needs a CUDA device (its 32K-128K prompts would take "
-            "hours on a CPU); use timing.model=tiny"
-        )
-    layers = tc.layers if tc.layers is not None else DEFAULT_LAYERS.get(model, _tiny_layers())
-    max_layers = _full_depth(model) if model != "tiny" else 64
-    if not 1 <= layers <= max_layers:
-        raise UserError(f"timing.layers={layers}; use 1-{max_layers}")
+    checkpoint = Path(tc.checkpoint).expanduser() if tc.checkpoint else None
+    if checkpoint is not None:
+        fields = _checkpoint_fields(checkpoint)
+        model = tc.model or checkpoint.name
+        depth, limit = fields["num_hidden_layers"], fields.get("max_position_embeddings", 1 << 30)
+        layers = depth if tc.layers is None else tc.layers
+        dtype = _checkpoint_dtype(fields)
+    else:
+        model = pick("model")
+        if model not in MODELS:
+            raise UserError(f"timing.model={model!r}; valid: {', '.join(MODELS)}")
+        if model != "tiny" and dev.type != "cuda":
+            raise UserError(
+                f"timing.model={model} needs a CUDA device (its 32K-128K prompts would take "
+                "hours on a CPU); use timing.model=tiny"
+            )
+        layers = tc.layers if tc.layers is not None else DEFAULT_LAYERS.get(model, _tiny_layers())
+        depth = _full_depth(model) if model != "tiny" else 64
+        limit, dtype = _max_positions(model), MODEL_DTYPES[model]
+    if not 1 <= layers <= depth:
+        raise UserError(f"timing.layers={layers}; use 1-{depth}")
     contexts = sorted({int(n) for n in pick("contexts")}, reverse=True)
-    limit = _max_positions(model)
     bad = [n for n in contexts if not 1 < n <= limit]
     if bad:
         raise UserError(f"timing.contexts {bad} outside 2-{limit} tokens for model {model}")
@@ -260,7 +270,30 @@ def resolve(
         time_budget_s=pick("time_budget_s"),
         progress=progress,
         retry_oom=bool(tc.retry_oom),
+        checkpoint=checkpoint,
+        dtype=dtype,
     )
+
+
+def _checkpoint_fields(path: Path) -> dict:
+    """The text-model fields of a checkpoint directory's config.json (one line if unreadable)."""
+    cfg = path / "config.json"
+    try:
+        fields = json.loads(cfg.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"timing.checkpoint={path}: cannot read {cfg} ({e})") from None
+    text = fields.get("text_config", fields)
+    if "num_hidden_layers" not in text:
+        raise UserError(f"timing.checkpoint={path}: {cfg} has no num_hidden_layers")
+    return {**text, "quantization_config": fields.get("quantization_config")}
+
+
+def _checkpoint_dtype(fields: dict) -> str:
+    """fp8 for block-FP8 weights, else the checkpoint's own dtype (bfloat16, ...)."""
+    quant = fields.get("quantization_config") or {}
+    if quant.get("quant_method") == "fp8":
+        return "fp8"
+    return str(fields.get("dtype") or fields.get("torch_dtype") or "bfloat16")
 
 
 def _tiny_layers() -> int:
@@ -393,11 +426,12 @@ class Loaded:
 def build_model(s: Settings, overrides: dict | None = None) -> Loaded:
     """The random-weight model of `s` on its device, with `rbs_timed` attention and a probe on
     every attention module. `overrides` change config fields (tests shrink the MoE with it)."""
-    from rbs_bench.models import fastpath, rehearsal, tiny
-    from rbs_bench.models.feedforward import chunk_feedforward
+    from rbs_bench.models import rehearsal, tiny
 
     register_timed()
     torch.manual_seed(s.seed)
+    if s.checkpoint is not None:
+        return _finish_loaded(s, *_load_checkpoint(s, overrides), s.dtype)
     dtype = getattr(torch, MODEL_DTYPES[s.model])
     if s.model != "tiny":
         fields = {"num_hidden_layers": s.layers, **ARCH_OVERRIDES.get(s.model, {})}
@@ -418,6 +452,38 @@ def build_model(s: Settings, overrides: dict | None = None) -> Loaded:
         cfg = tiny.tiny_config(num_hidden_layers=s.layers, **(overrides or {}))
         model = tiny.build_model(cfg).to(s.device)
         what = f"tiny Qwen3 (rbs_bench.models.tiny), random weights, {s.layers} layers, fp32"
+    return _finish_loaded(s, model, cfg, what, MODEL_DTYPES[s.model])
+
+
+def _load_checkpoint(s: Settings, overrides: dict | None):
+    """(model, text config, description) of `s.checkpoint`, loaded through from_pretrained as a
+    hub id is (FP8 weights through transformers' FP8 integration), onto the run's device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {"num_hidden_layers": s.layers, **(overrides or {})}
+    config = AutoConfig.from_pretrained(s.checkpoint, **fields)
+    if s.dtype == "fp8":  # transformers' FP8 layers run the project's FP8 GEMMs
+        from rbs_bench.models import fp8
+
+        fp8.install_kernels()
+    model = AutoModelForCausalLM.from_pretrained(
+        s.checkpoint, config=config, dtype="auto", attn_implementation="sdpa",
+        device_map=str(s.device) if s.device.type == "cuda" else None,
+    )  # fmt: skip
+    text = config.get_text_config()
+    what = (
+        f"{s.model} from the checkpoint {s.checkpoint.name} ({s.dtype} weights), "
+        f"{s.layers} of {_checkpoint_fields(s.checkpoint)['num_hidden_layers']} layers"
+    )
+    return model.to(s.device), text, what
+
+
+def _finish_loaded(s: Settings, model, cfg, what: str, dtype: str) -> Loaded:
+    """The harness's settings on a built or loaded model: compiled layers, feed-forward chunks,
+    the timed attention with a probe on every attention module."""
+    from rbs_bench.models import fastpath
+    from rbs_bench.models.feedforward import chunk_feedforward
+
     fastpath.install(model, s.compile)
     chunk_feedforward(model, s.ffn_chunk_tokens)
     model.eval()
@@ -435,7 +501,7 @@ def build_model(s: Settings, overrides: dict | None = None) -> Loaded:
         probe,
         s.device,
         what,
-        str(dtype).removeprefix("torch."),
+        dtype,
         cfg.num_attention_heads,
         cfg.num_key_value_heads,
         cfg.head_dim,
@@ -842,7 +908,7 @@ def run(s: Settings) -> pd.DataFrame:
     if s.retry_oom:  # run again; the new row replaces the oom one
         rows = [r for r in rows if r.get("status") != "oom"]
     done = {row_key(r) for r in rows}
-    common = {"model": s.model, "layers": s.layers, "dtype": MODEL_DTYPES[s.model]}
+    common = {"model": s.model, "layers": s.layers, "dtype": s.dtype}
     common["ffn_chunk_tokens"] = s.ffn_chunk_tokens or 0
     common["compile"] = s.compile
 
@@ -960,7 +1026,7 @@ def _plot(s: Settings, df: pd.DataFrame) -> None:
     from rbs_bench.tables import timing
 
     same = (df["model"] == s.model) & (df["layers"] == s.layers)
-    same &= (df["dtype"] == MODEL_DTYPES[s.model]) & (
+    same &= (df["dtype"] == s.dtype) & (
         (df["method"] == methods.DENSE) | (df["target"] == s.target)
     )
     standalone = timing.standalone_rows(s.out, s.tag, s.target)
@@ -1070,8 +1136,18 @@ def run_experiment(cfg, experiment: str) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     d = TimingCfg()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=MODELS, help="default: qwen3_30b_a3b on CUDA, else tiny")
+    ap.add_argument(
+        "--model",
+        help=f"one of {', '.join(MODELS)} (default: qwen3_30b_a3b on CUDA, else tiny); with "
+        "--checkpoint, the name of its rows",
+    )
     ap.add_argument("--layers", type=int, help="decoder layers (default 4; tiny: 2)")
+    ap.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a checkpoint directory (e.g. written by rbs_bench.models.rehearsal) loaded "
+        "through from_pretrained instead of a random model; --model names its rows",
+    )
     ap.add_argument("--contexts", type=int, nargs="+", help="default 32K-128K on CUDA, 1K 2K")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument(
@@ -1114,6 +1190,7 @@ def main(argv: list[str] | None = None) -> int:
     use_expandable_segments()
     tc = TimingCfg(
         model=args.model,
+        checkpoint=str(args.checkpoint) if args.checkpoint else None,
         layers=args.layers,
         contexts=args.contexts,
         batches=args.batches,
