@@ -140,6 +140,7 @@ class TimingCfg:
     # A checkpoint directory loaded through from_pretrained (its own depth and dtype, e.g. the FP8
     # checkpoint `python -m rbs_bench.models.rehearsal write` makes); `model` names its rows.
     checkpoint: str | None = None
+    device_map: str | None = None  # "auto": a checkpoint's layers over every visible GPU
 
     layers: int | None = None  # decoder layers; None: 4 (qwen3_30b_a3b) or the tiny model's 2
     contexts: list[int] | None = None  # prompt tokens; None: 32K-128K on CUDA, 1K and 2K on a CPU

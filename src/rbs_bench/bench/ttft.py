@@ -159,6 +159,7 @@ class Settings:
     progress: bool = True
     retry_oom: bool = False
     checkpoint: Path | None = None  # a checkpoint directory loaded through from_pretrained
+    device_map: str | None = None  # "auto": the checkpoint's layers over every visible GPU
     dtype: str = ""  # the rows' dtype: the weights' (fp8 for block-FP8 checkpoints)
 
     @property
@@ -272,7 +273,20 @@ def resolve(
         retry_oom=bool(tc.retry_oom),
         checkpoint=checkpoint,
         dtype=dtype,
+        device_map=_device_map(tc, checkpoint, dev),
     )
+
+
+def _device_map(tc, checkpoint: Path | None, dev: torch.device) -> str | None:
+    wanted = getattr(tc, "device_map", None)
+    if wanted is None:
+        return None
+    if wanted != "auto" or checkpoint is None or dev.type != "cuda":
+        raise UserError(
+            f"timing.device_map={wanted!r}: only auto, for a --checkpoint on CUDA (it spreads "
+            "the checkpoint's layers over every visible GPU)"
+        )
+    return wanted
 
 
 def _checkpoint_fields(path: Path) -> dict:
@@ -330,19 +344,23 @@ class Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def mark(self):
+    def mark(self, device: torch.device | None = None):
+        """A timestamp; on CUDA an event on `device`'s current stream (default: the current
+        device), so that a span of a layer on another GPU (model.device_map=auto) is timed on
+        that GPU."""
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(None if device is None else torch.cuda.current_stream(device))
         return event
 
     def ms(self, start, end) -> float:
         return start.elapsed_time(end) if self.cuda else 1e3 * (end - start)
 
     def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.cuda:  # every GPU: a model may span several (model.device_map=auto)
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(d)
 
 
 @dataclass
@@ -358,8 +376,8 @@ class Probe:
         for v in self.spans.values():
             v.clear()
 
-    def span(self, kind: str, start) -> None:
-        self.spans[kind].append((start, self.clock.mark()))
+    def span(self, kind: str, start, device: torch.device | None = None) -> None:
+        self.spans[kind].append((start, self.clock.mark(device)))
 
     def totals(self) -> dict:
         """{attention_ms, selector_ms}: sums over the spans (call after the clock's sync)."""
@@ -376,9 +394,9 @@ def timed_attention_forward(
         return rbs_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if probe.on_layer is not None:  # [B, Hq, N, D], [B, Hkv, N, D] after RoPE
         probe.on_layer(query, key, kwargs.get("scaling"))
-    start = probe.clock.mark()
+    start = probe.clock.mark(query.device)
     out = rbs_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    probe.span("attention", start)
+    probe.span("attention", start, query.device)
     return out
 
 
@@ -399,9 +417,9 @@ class TimedSelector:
         return getattr(self.inner, name)
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None):
-        start = self.probe.clock.mark()
+        start = self.probe.clock.mark(q.device)
         sel = self.inner.select(q, k, scale=scale)
-        self.probe.span("selector", start)
+        self.probe.span("selector", start, q.device)
         return sel
 
 
@@ -466,15 +484,19 @@ def _load_checkpoint(s: Settings, overrides: dict | None):
         from rbs_bench.models import fp8
 
         fp8.install_kernels()
+    device_map = s.device_map or (str(s.device) if s.device.type == "cuda" else None)
     model = AutoModelForCausalLM.from_pretrained(
         s.checkpoint, config=config, dtype="auto", attn_implementation="sdpa",
-        device_map=str(s.device) if s.device.type == "cuda" else None,
+        device_map=device_map,
     )  # fmt: skip
     text = config.get_text_config()
     what = (
         f"{s.model} from the checkpoint {s.checkpoint.name} ({s.dtype} weights), "
         f"{s.layers} of {_checkpoint_fields(s.checkpoint)['num_hidden_layers']} layers"
     )
+    if s.device_map is not None:
+        what += f", over {len(_gpus(model))} GPUs (device_map={s.device_map})"
+        return model, text, what
     return model.to(s.device), text, what
 
 
@@ -492,8 +514,8 @@ def _finish_loaded(s: Settings, model, cfg, what: str, dtype: str) -> Loaded:
     for m in attention_modules(model):
         setattr(m, _PROBE, probe)
     if s.device.type == "cuda":
-        torch.cuda.synchronize()
-        weights = torch.cuda.memory_allocated() / MiB
+        Clock(s.device).sync()
+        weights = sum(map(torch.cuda.memory_allocated, _gpus(model))) / MiB
     else:
         weights = _tensor_bytes([*model.parameters(), *model.buffers()]) / MiB
     return Loaded(
@@ -543,12 +565,13 @@ def request(lm: Loaded, ids: Tensor) -> dict:
     out = lm.model(input_ids=ids.to(lm.device), use_cache=True, logits_to_keep=1)
     first = out.logits[:, -1].argmax(-1).cpu()  # greedy: the first generated token, on the host
     t1 = clock.mark()
-    lm.model(
+    step = lm.model(
         input_ids=first[:, None].to(lm.device),
         past_key_values=out.past_key_values,
         use_cache=True,
         logits_to_keep=1,
     )
+    step.logits[:, -1].argmax(-1).cpu()  # the second token on the host
     t2 = clock.mark()
     clock.sync()
     return {"ttft_ms": clock.ms(t0, t1), "decode_ms": clock.ms(t1, t2), **probe.totals()}
@@ -719,7 +742,16 @@ def _measure(cal: Calibrated, selector, q: Tensor, k: Tensor) -> None:
 
 
 def _peak_mib(device: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(device) / MiB if device.type == "cuda" else 0.0
+    if device.type != "cuda":
+        return 0.0
+    return max(map(torch.cuda.max_memory_allocated, _gpus())) / MiB
+
+
+def _gpus(model=None) -> list[int]:
+    """The GPUs a model's parameters are on (every visible GPU without a model)."""
+    if model is None:
+        return list(range(torch.cuda.device_count()))
+    return sorted({p.device.index for p in model.parameters() if p.device.type == "cuda"})
 
 
 def _release(device: torch.device) -> None:
@@ -747,7 +779,8 @@ def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, cal: Calibrated | 
                     _, extra = cpu_peak_bytes(lambda: request(lm, ids))
             _release(lm.device)
             if cuda:
-                torch.cuda.reset_peak_memory_stats()
+                for d in _gpus():
+                    torch.cuda.reset_peak_memory_stats(d)
             runs = []
             for _ in range(s.repeats if ids.shape[0] == 1 else s.batch_repeats):
                 if recorder is not None:
@@ -755,8 +788,9 @@ def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, cal: Calibrated | 
                 runs.append(request(lm, ids))
             density = recorder.summary()["density_mean"] if recorder is not None else 1.0
             if cuda:
-                peak = torch.cuda.max_memory_allocated() / MiB
-                reserved = torch.cuda.max_memory_reserved() / MiB
+                # the busiest GPU (model.device_map=auto spreads the layers over several)
+                peak = max(map(torch.cuda.max_memory_allocated, _gpus())) / MiB
+                reserved = max(map(torch.cuda.max_memory_reserved, _gpus())) / MiB
             else:
                 if extra is None:
                     _, extra = cpu_peak_bytes(lambda: request(lm, ids))
@@ -963,11 +997,13 @@ def run(s: Settings) -> pd.DataFrame:
         t0 = time.perf_counter()
         bar.set_postfix_str(f"b={b} N={n} {name}")
         row = {**common, "device": _device_name(lm.device), "model_desc": lm.description}
+        row["gpus"] = len(_gpus(lm.model)) if lm.device.type == "cuda" else 0
         row.update(heads=lm.heads, kv_heads=lm.kv_heads, head_dim=lm.head_dim)
         row.update(batch=b, n=n, method=name, target=_target(s, name))
         row.update(_cal_columns(cal, b))
         if lm.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(lm.device)
+            for d in _gpus():
+                torch.cuda.reset_peak_memory_stats(d)
         try:
             row.update(status="ok", **time_row(s, lm, ids, name, cal))
         except torch.cuda.OutOfMemoryError as e:
@@ -1143,6 +1179,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--layers", type=int, help="decoder layers (default 4; tiny: 2)")
     ap.add_argument(
+        "--device-map", choices=["auto"], help="a --checkpoint's layers over every visible GPU"
+    )
+    ap.add_argument(
         "--checkpoint",
         type=Path,
         help="a checkpoint directory (e.g. written by rbs_bench.models.rehearsal) loaded "
@@ -1191,6 +1230,7 @@ def main(argv: list[str] | None = None) -> int:
     tc = TimingCfg(
         model=args.model,
         checkpoint=str(args.checkpoint) if args.checkpoint else None,
+        device_map=args.device_map,
         layers=args.layers,
         contexts=args.contexts,
         batches=args.batches,
