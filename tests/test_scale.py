@@ -103,3 +103,42 @@ def test_scale_report_from_records(tmp_path):
     ttft = [line for line in text.splitlines() if line.startswith("| qwen3_30b_a3b | ")]
     assert len(ttft) == 2  # the 4-layer row is not a full-depth row
     assert "| 12.00 | 3.00 |" in ttft[1]  # attention and TTFT speedups over dense
+
+
+def test_scale_report_names_gpu_count_and_visual_share(tmp_path):
+    """A Qwen3-32B cell over two GPUs is set beside the busiest GPU's estimate; an FP8 cell beside
+    the FP8 estimate; a Video-MME cell shows its video tokens' share of the prompt."""
+    from rbs_bench.models import memory
+
+    res = tmp_path / "results"
+    cells = {
+        ("ruler_budget", "qwen3_32b", "dense"): {"gpus": 2},
+        ("ruler_budget", "qwen3_30b_a3b_fp8", "dense"): {"gpus": 1},
+        ("videomme", "qwen3_vl_30b_a3b_thinking_fp8", "dense"): {
+            "gpus": 1,
+            "context_length": 32768,
+            "visual_token_share": 0.9,
+        },
+        ("ruler_budget", "qwen3_30b_a3b_random", "dense"): {},  # older records: no gpus field
+    }
+    for (experiment, model, method), extra in cells.items():
+        cell = res / "runs" / experiment / model / method / "default"
+        cell.mkdir(parents=True)
+        rec = _record(method, 1.0, 10.0) | extra
+        (cell / "records.jsonl").write_text(json.dumps(rec) + "\n")
+    (path,) = scale.build(res, tmp_path / "out")
+    rows = {
+        line.split("|")[2].strip(): [c.strip() for c in line.split("|")]
+        for line in path.read_text().splitlines()
+        if line.startswith("| ruler_budget |") or line.startswith("| videomme |")
+    }
+    old = scale.OLD_FFN_CHUNK  # these records name no feed-forward chunk: they ran 16384
+    two = memory.estimate_model("qwen3_32b", 131072, ffn_chunk_tokens=old)
+    two = memory.per_gpu(two, 2) / memory.GiB
+    assert rows["qwen3_32b"][12] == f"{two:.1f}" and rows["qwen3_32b"][15] == "2"
+    fp8 = memory.estimate_model("qwen3_30b_a3b_fp8", 131072, ffn_chunk_tokens=old).total
+    fp8 /= memory.GiB
+    assert rows["qwen3_30b_a3b_fp8"][12] == f"{fp8:.1f}" and rows["qwen3_30b_a3b_fp8"][15] == "1"
+    vl = rows["qwen3_vl_30b_a3b_thinking_fp8"]
+    assert vl[16] == "90.0" and rows["qwen3_30b_a3b_random"][15] == "1"
+    assert rows["qwen3_30b_a3b_random"][16] == "–"

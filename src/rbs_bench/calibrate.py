@@ -36,7 +36,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from rbs_bench import benchmarks
+from rbs_bench import benchmarks, models
 from rbs_bench.budget import MAX_STEPS, KnobSearch, LayerCurves, Unreachable
 from rbs_bench.calibrations import calibration_path, entry_problem, find_entry, setting, store
 from rbs_bench.checks import check_cell, preflight
@@ -213,7 +213,7 @@ def calibrate_cell(cfg, session) -> dict | None:
             "context_length": length,
             "seconds": round(time.perf_counter() - t0, 2),
             "device": _device_name(loaded.device),
-            "gpus": 1 if loaded.device.type == "cuda" else 0,
+            "gpus": len(models.cuda_devices(loaded.model)),  # several with device_map=auto
             "tolerance": float(cfg.calibration.tolerance),
             "date": time.strftime("%Y-%m-%d"),
             "setting": where,

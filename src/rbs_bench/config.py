@@ -47,6 +47,9 @@ FFN_CHUNK_TOKENS = 32768
 class ModelCfg:
     name: str = MISSING
     hf_id: str | None = None  # None: an embedded model built locally (tiny_vl by name, else tiny)
+    # A local copy of the model's checkpoint (a directory in the hub's layout, e.g. one written by
+    # `python -m rbs_bench.models.rehearsal write`): from_pretrained reads it instead of hf_id.
+    path: str | None = None
     revision: str | None = None
     max_context: int = MISSING  # longest prompt + generation the model supports
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16

@@ -238,6 +238,9 @@ def _prompt_sha1(sample) -> str:
 def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample, length) -> dict:
     inputs = model_inputs(loaded, sample)
     ids = inputs.pop("input_ids")
+    # a vision-language prompt's image/video tokens (mm_token_type_ids: 1 image, 2 video)
+    types = inputs.get("mm_token_type_ids")
+    visual = None if types is None else int((types != 0).sum())
     if inputs and ids.shape[1] + sample.max_new_tokens > length:
         raise UserError(
             f"{sample.task} sample {sample.index} takes {ids.shape[1]} tokens with its video, "
@@ -259,7 +262,7 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
     if gpus:
         memory["peak_allocated_mib"] = round(max(map(torch.cuda.max_memory_allocated, gpus)) / MiB)
         memory["peak_reserved_mib"] = round(max(map(torch.cuda.max_memory_reserved, gpus)) / MiB)
-        memory["gpus"] = len(gpus)
+        memory["gpus"] = len(gpus)  # the GPUs holding the model (device_map=auto: several)
     pred = loaded.tokenizer.decode(new, skip_special_tokens=True)
     return {
         "experiment": experiment,
@@ -278,6 +281,11 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
         "context_length": length,
         "index": sample.index,
         "input_tokens": int(ids.shape[1]),
+        **(
+            {"visual_tokens": visual, "visual_token_share": round(visual / ids.shape[1], 6)}
+            if visual is not None
+            else {}
+        ),
         "prompt_sha1": _prompt_sha1(sample),
         "density": stats["density_mean"],
         "density_layers_heads": stats["density_layers_heads"],

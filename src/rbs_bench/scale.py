@@ -57,19 +57,24 @@ def _display(method: str) -> str:
 
 
 def _estimate_gib(
-    model: str, context: int, batch: int = 1, layers: int | None = None, chunk: int | None = None
+    model: str,
+    context: int,
+    batch: int = 1,
+    layers: int | None = None,
+    gpus: int = 1,
+    chunk: int | None = None,
 ):
-    """The memory estimate's total in GiB, or None for a model without a shipped architecture.
-    `chunk`: the run's feed-forward token chunk (records and rows from before it was recorded
-    ran 16384)."""
+    """The memory estimate in GiB (on the busiest GPU when the layers are spread over `gpus`), or
+    None for a model without a shipped architecture. `chunk`: the run's feed-forward token chunk
+    (records and rows from before it was recorded ran 16384)."""
     from rbs_bench.models import memory
 
+    chunk = OLD_FFN_CHUNK if chunk is None or pd.isna(chunk) else int(chunk) or None
     try:
-        config = memory.model_config(model, layers)
+        e = memory.estimate_model(model, context, batch, layers, ffn_chunk_tokens=chunk)
     except ValueError:  # the embedded tiny model, or a hub model without a shipped config
         return None
-    chunk = OLD_FFN_CHUNK if chunk is None or pd.isna(chunk) else int(chunk) or None
-    return memory.estimate(config, context, batch, ffn_chunk_tokens=chunk).gib()["total"]
+    return (e.total if gpus <= 1 else memory.per_gpu(e, gpus)) / memory.GiB
 
 
 def _num(x, spec: str) -> str:
@@ -133,7 +138,9 @@ def run_cells(results: Path) -> pd.DataFrame:
                     "recall": _mean(recs, "recall"),
                     "recall_s": _mean(recs, "recall_s"),
                     "ffn_chunk_tokens": recs[0].get("ffn_chunk_tokens"),
-                    "gpus": max(r.get("gpus") or 1 for r in recs),
+                    # records name their GPU count (older ones only when above one)
+                    "gpus": max(int(r.get("gpus") or 1) for r in recs),
+                    "visual_share": _mean(recs, "visual_token_share"),
                     "source": str(path),
                 }
             )
@@ -158,20 +165,24 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
         "",
         "| experiment | model | method | budget | context | n | prefill s | decode s | "
         "peak alloc GiB | peak reserved GiB | density mean / p50 / p90 | estimate GiB | "
-        "alloc - estimate GiB | recall % (pass s) |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+        "alloc - estimate GiB | recall % (pass s) | GPUs | visual tokens % |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     cells = cells.sort_values(["experiment", "model", "context", "method", "budget"])
     for _, c in cells.iterrows():
+        gpus = int(c.get("gpus", 1) or 1)
         est = None
         if c["context"]:
-            est = _estimate_gib(c["model"], int(c["context"]), chunk=c.get("ffn_chunk_tokens"))
+            chunk = c.get("ffn_chunk_tokens")
+            est = _estimate_gib(c["model"], int(c["context"]), gpus=gpus, chunk=chunk)
+        share = c.get("visual_share", math.nan)
         out.append(
             f"| {c['experiment']} | {c['model']} | {_display(c['method'])} | {c['budget']} | "
             f"{c['context']:,} | {c['n']} | {c['prefill_s']:.2f} | {c['decode_s']:.2f} | "
             f"{_gib(c['peak_allocated_mib'])} | {_gib(c['peak_reserved_mib'])} | "
             f"{c['density_mean']:.4f} / {c['density_p50']:.4f} / {c['density_p90']:.4f} | "
-            f"{_num(est, '.1f')} | {_gap(c['peak_allocated_mib'], est)} | {_recall(c)} |"
+            f"{_num(est, '.1f')} | {_gap(c['peak_allocated_mib'], est)} | {_recall(c)} | "
+            f"{gpus} | {_num(100 * share, '.1f')} |"
         )
     out += [
         "",
@@ -180,12 +191,14 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
         "/ max_memory_reserved over the sample, on the busiest GPU. Density: kept causal block "
         "pairs over all causal pairs, per layer and head, pooled over the cell's samples. "
         "Estimate: `python -m rbs_bench.models.memory` for the model at that context, batch 1 "
-        "(weights, KV cache, one layer's activations, logits, 1 GiB of CUDA context); alloc - "
-        "estimate compares the allocated peak with the estimate less that context: positive "
-        "where the estimate falls short. Recall (runs with recall=true): the share of the dense "
-        "attention mass on the kept pairs, mean over layers, heads and samples; in parentheses "
-        "the seconds per sample of its dense passes, which run inside the prefill and are left "
-        "out of the prefill time.",
+        "(weights, FP8 for the *_fp8 models, KV cache, one layer's activations, logits, 1 GiB of "
+        "CUDA context), for the busiest GPU where the layers are spread over several (GPUs: how "
+        "many held the model); alloc - estimate compares the allocated peak with the estimate "
+        "less that context: positive where the estimate falls short. Visual tokens: the share of "
+        "the prompt's tokens that are video tokens (vision-language runs). Recall (runs with "
+        "recall=true): the share of the dense attention mass on the kept pairs, mean over "
+        "layers, heads and samples; in parentheses the seconds per sample of its dense passes, "
+        "which run inside the prefill and are left out of the prefill time.",
         "",
     ]
     return out
@@ -294,8 +307,10 @@ def _ttft_section(df: pd.DataFrame, csv: Path) -> list[str]:
         ok = r["status"] == "ok"  # the speedups bench.ttft wrote beside each row
         xa = r.get("attention_speedup") if ok else None
         xt = r.get("ttft_speedup") if ok else None
+        gpus = r.get("gpus")
         est = _estimate_gib(
             str(r["model"]), int(r["n"]), int(r["batch"]), int(r["layers"]),
+            gpus=1 if gpus is None or pd.isna(gpus) else max(1, int(gpus)),
             chunk=r.get("ffn_chunk_tokens"),
         )  # fmt: skip
         out.append(

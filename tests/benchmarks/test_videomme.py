@@ -584,6 +584,9 @@ def test_dense_and_rbs_runs_write_duration_tables(tmp_path, video_dir, session):
         assert d["benchmark_version"] == vm.VERSION and d["new_tokens"] == 1
         assert d["density"] == 1.0
         assert d["score"] == vm.score_one("all", d["prediction"], d["references"])
+        # the video tokens' share of the context, recorded beside the prompt's length
+        assert d["visual_tokens"] == per_patch
+        assert d["visual_token_share"] == round(per_patch / d["input_tokens"], 6)
     for d, r in zip(dense, sparse):
         assert (d["input_tokens"], d["prompt_sha1"]) == (r["input_tokens"], r["prompt_sha1"])
         assert 0 < r["density"] < 1.0  # pruned over text and video tokens

@@ -130,11 +130,61 @@ def test_memory_estimate_counts_the_cache_and_chunks_the_feedforward():
     assert unchunked.activations > 2 * e.activations  # the MoE's intermediates of all tokens
     four = memory.estimate(config, 131072, batch=4, ffn_chunk_tokens=16384)
     assert four.kv_cache == 4 * e.kv_cache and four.weights == e.weights
-    fp8 = memory.estimate(config, 131072, weight_bytes=1, ffn_chunk_tokens=16384)
-    assert fp8.weights == e.weights / 2
+    one_byte = memory.estimate(config, 131072, weight_bytes_per_param=1, ffn_chunk_tokens=16384)
+    assert one_byte.weights == e.weights / 2
+    fp8 = memory.estimate(config, 131072, ffn_chunk_tokens=16384, fp8=True)
+    # e4m3 attention and experts (29.9B) with a float32 scale per 128x128 block, the embeddings,
+    # output head, norms and routers (0.64B) in bf16
+    quantized = memory.fp8_parameter_count(config)
+    assert quantized == 48 * (2 * 2048 * 4096 + 2 * 2048 * 512 + 128 * 3 * 2048 * 768)
+    rest = memory.parameter_count(config) - quantized
+    assert fp8.weights == pytest.approx(quantized * (1 + 4 / 128**2) + 2 * rest)
+    assert fp8.kv_cache == e.kv_cache and fp8.activations == e.activations
+    assert memory.estimate_model("qwen3_30b_a3b_fp8", 131072).weights == fp8.weights
+    assert memory.estimate_model("qwen3_30b_a3b_random", 131072).weights == e.weights
+
+
+def test_vl_model_counts_its_vision_tower_and_video_context():
+    from transformers import AutoModelForImageTextToText
+
+    config = memory.model_config("qwen3_vl_30b_a3b_thinking_fp8")
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    count = sum(p.numel() for p in model.parameters())
+    vision = sum(p.numel() for n, p in model.named_parameters() if n.startswith("model.visual."))
+    assert memory.vision_parameter_count(config) == vision
+    assert memory.parameter_count(config) == count
+    # Video-MME: 32 frames of 720p through Qwen3-VL's processor, as a run builds its inputs
+    from rbs_bench.models.checkpoint import VIDEO_PROCESSOR
+    from rbs_bench.models.vision import VideoProcessor
+
+    proc = VideoProcessor.for_counting(VIDEO_PROCESSOR)
+    t, h, w = proc.grid(32, 720, 1280)
+    assert memory.video_tokens() == t * h * w // 4 and t == 16
+    assert memory.videomme_context() == memory.video_tokens() + memory.VIDEOMME_TEXT_TOKENS
+    assert memory.default_contexts("qwen3_vl_30b_a3b_thinking_fp8") == [memory.videomme_context()]
+    e = memory.estimate_model("qwen3_vl_30b_a3b_thinking_fp8", memory.videomme_context())
+    text = memory.estimate(
+        config.get_text_config(), memory.videomme_context(), ffn_chunk_tokens=16384
+    )
+    assert e.kv_cache == text.kv_cache and e.activations >= text.activations
+    assert e.weights == pytest.approx(
+        memory.fp8_parameter_count(config) * (1 + 4 / 128**2)
+        + 2 * (count - memory.fp8_parameter_count(config))
+    )
+    layers = memory.model_config("qwen3_vl_30b_a3b_thinking_fp8", layers=4)
+    assert layers.text_config.num_hidden_layers == 4 and layers.vision_config.depth == 27
 
 
 def test_memory_table_says_what_fits(capsys):
+    assert memory.main(["qwen3_30b_a3b_fp8", "--contexts", "131072"]) == 0
+    fp8 = capsys.readouterr().out
+    e = memory.estimate_model("qwen3_30b_a3b_fp8", 131072).gib()
+    assert f"| qwen3_30b_a3b_fp8 | 131072 | 1 | {e['weights']:.1f} |" in fp8
+    assert memory.main(["qwen3_vl_30b_a3b_thinking_fp8"]) == 0  # at its Video-MME context
+    assert f"| qwen3_vl_30b_a3b_thinking_fp8 | {memory.videomme_context()} | 1 |" in (
+        capsys.readouterr().out
+    )
     assert memory.main(["qwen3_32b", "--contexts", "131072", "--gpu-gib", "79"]) == 0
     one = capsys.readouterr().out
     assert "| qwen3_32b | 131072 | 1 |" in one and "no (" in one

@@ -111,7 +111,7 @@ def test_load_errors_are_one_line(cache, monkeypatch):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", offline)
-    with pytest.raises(ValueError, match="'Qwen/Qwen3-8B'.*model.hf_id=/local/path") as e:
+    with pytest.raises(ValueError, match="'Qwen/Qwen3-8B'.*model.path=/local/path") as e:
         models.load(tiny_cfg(hf_id="Qwen/Qwen3-8B"))
     assert "\n" not in str(e.value)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,10 @@ def load(model_cfg, device="cpu"):
 
     model_cfg fields: name, hf_id (None = an embedded model: `tiny_vl` for the name tiny_vl, the
     random-weight tiny Qwen3 for tiny_random, the shipped trained tiny LM for any other),
-    revision, max_context, dtype ("auto" | "float32" | "bfloat16" | "float16"), chat_template,
-    chat_template_kwargs, trust_remote_code, config_overrides (config attributes to replace, e.g.
-    rope scaling). A config with a vision
+    path (a local checkpoint directory read instead of hf_id, e.g. a rehearsal checkpoint of
+    `rbs_bench.models.checkpoint`), revision, max_context, dtype ("auto" | "float32" |
+    "bfloat16" | "float16"), chat_template, chat_template_kwargs, trust_remote_code,
+    config_overrides (config attributes to replace, e.g. rope scaling). A config with a vision
     tower (Qwen3-VL) loads as an image-text-to-text model.
     """
     import torch
@@ -63,7 +65,7 @@ def load(model_cfg, device="cpu"):
         AutoTokenizer,
     )
 
-    from rbs_bench.models import hf_attention, vision
+    from rbs_bench.models import checkpoint, hf_attention, vision
 
     if model_cfg.dtype not in _DTYPES:
         raise ValueError(f"model.dtype={model_cfg.dtype!r} is not one of {', '.join(_DTYPES)}")
@@ -79,6 +81,7 @@ def load(model_cfg, device="cpu"):
         kwargs["device_map"] = device_map  # load the weights straight onto the accelerator(s)
 
     source, extra = _source(model_cfg)
+    checkpoint.register_per_expert_layout()  # Qwen3-VL-MoE FP8 experts, stored one per expert
     try:
         config = AutoConfig.from_pretrained(source, **extra, **_plain(model_cfg.config_overrides))
         _check_context(model_cfg, config)  # before the (possibly long) weight load
@@ -93,7 +96,7 @@ def load(model_cfg, device="cpu"):
         reason = text.splitlines()[0] if text else type(e).__name__
         raise ValueError(
             f"cannot load model {str(source)!r} ({reason}); if the hub is out of "
-            f"reach, download it and set model.hf_id=/local/path"
+            f"reach, download it and set model.path=/local/path"
         ) from e
     if device_map is None or device_map == str(device):
         model = model.to(device)
@@ -141,11 +144,14 @@ def _load_random(model_cfg, device, dtype):
 
     from rbs_bench.models import hf_attention, rehearsal, tiny
 
-    if model_cfg.hf_id is not None:
-        raise ValueError(
-            f"model {model_cfg.name!r} sets both random_init and hf_id={model_cfg.hf_id}; a "
-            "random-weight model reads no checkpoint: drop one (e.g. model=qwen3_30b_a3b_random)"
-        )
+    for key in ("hf_id", "path"):
+        if getattr(model_cfg, key, None) is not None:
+            raise ValueError(
+                f"model {model_cfg.name!r} sets both random_init and {key}="
+                f"{getattr(model_cfg, key)}; a "
+                "random-weight model reads no checkpoint: drop one "
+                "(e.g. model=qwen3_30b_a3b_random)"
+            )
     if not model_cfg.architecture:
         raise ValueError(
             "model.random_init=true needs model.architecture, one of: "
@@ -169,7 +175,7 @@ def _load_random(model_cfg, device, dtype):
 
 def _embedded(model_cfg) -> str | None:
     """Which embedded model a config loads ("tiny_vl", "tiny_random", "trained"), or None."""
-    if model_cfg.hf_id is not None or _random_init(model_cfg):
+    if model_cfg.hf_id is not None or _random_init(model_cfg) or _local_path(model_cfg):
         return None
     return model_cfg.name if model_cfg.name in ("tiny_vl", "tiny_random") else "trained"
 
@@ -214,8 +220,44 @@ def _file_digest(path: str) -> str:
     return h.hexdigest()[:16]
 
 
+def _local_path(model_cfg) -> str | None:
+    return getattr(model_cfg, "path", None) or None
+
+
+def _checkpoint_dir(model_cfg) -> Path:
+    """model.path as a checkpoint directory, or ValueError saying what to change."""
+    given = _local_path(model_cfg)
+    path = Path(given).expanduser()
+    if not path.is_dir():
+        partial = path.with_name(path.name + ".partial")
+        if partial.is_dir():
+            raise ValueError(
+                f"model.path={given} is not written yet ({partial} is an unfinished write); rerun "
+                "the same `python -m rbs_bench.models.rehearsal write` command to finish it"
+            )
+        raise ValueError(
+            f"model.path={given} is not a directory; give a local copy of the checkpoint, or "
+            f"write one: python -m rbs_bench.models.rehearsal write --model {model_cfg.name} "
+            f"--out {given}"
+        )
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ValueError(f"model.path={given} is not readable by this user")
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"model.path={given} holds no config.json; point it at a checkpoint directory "
+            "(config.json, *.safetensors and the tokenizer files)"
+        )
+    return path
+
+
 def _source(model_cfg) -> tuple[str | Path, dict]:
-    """(where from_pretrained reads the model, its revision/trust_remote_code kwargs)."""
+    """(where from_pretrained reads the model, its revision/trust_remote_code kwargs): model.path
+    when set (a local checkpoint directory, nothing fetched), else hf_id, else an embedded
+    model."""
+    if _local_path(model_cfg):
+        return str(_checkpoint_dir(model_cfg)), {
+            "trust_remote_code": bool(model_cfg.trust_remote_code)
+        }
     kind = _embedded(model_cfg)
     if kind is not None:
         from rbs_bench.models import tiny, tiny_vl

@@ -103,6 +103,20 @@ class VideoProcessor:
         """From video processor fields (a checkpoint's json; missing keys take transformers'
         defaults) and the model config's token ids, spelled by `tokenizer`."""
         check_supported(model_config)
+        ids = [model_config.video_token_id, model_config.vision_start_token_id]
+        ids.append(model_config.vision_end_token_id)
+        pad, start, end = tokenizer.convert_ids_to_tokens(ids)
+        tokens = (pad, start, end, int(model_config.video_token_id))
+        return cls._build(fields, tokens, chat_template)
+
+    @classmethod
+    def for_counting(cls, fields: dict):
+        """Frame sizes and video-token counts of a processor config, with no model or tokenizer
+        (e.g. for a memory estimate); its token fields are empty, so it builds no inputs."""
+        return cls._build(fields, ("", "", "", -1), None)
+
+    @classmethod
+    def _build(cls, fields: dict, tokens: tuple, chat_template: str | None):
         f = official_defaults() | {k: v for k, v in fields.items() if v is not None}
         size = f["size"]
         if not isinstance(size, dict) or not {"shortest_edge", "longest_edge"} <= set(size):
@@ -110,9 +124,7 @@ class VideoProcessor:
                 f"video processor size must hold shortest_edge and longest_edge, got {size!r}"
             )
         cap = f.get("cap_pixels_per_frame")
-        ids = [model_config.video_token_id, model_config.vision_start_token_id]
-        ids.append(model_config.vision_end_token_id)
-        pad, start, end = tokenizer.convert_ids_to_tokens(ids)
+        pad, start, end, video_token_id = tokens
         return cls(
             min_pixels=int(size["shortest_edge"]),
             max_pixels=int(size["longest_edge"]),
@@ -127,7 +139,7 @@ class VideoProcessor:
             video_token=pad,
             vision_start=start,
             vision_end=end,
-            video_token_id=int(model_config.video_token_id),
+            video_token_id=video_token_id,
             chat_template=chat_template,
         )
 
