@@ -37,6 +37,12 @@ def out_of_time(cfg) -> bool:
     return budget is not None and time.monotonic() - _STARTED > budget
 
 
+# Feed-forward blocks run over at most this many tokens at once (rbs_bench.models.feedforward):
+# with the compiled layers a 32K chunk of Qwen3-30B-A3B's experts holds about 1.8 GiB, and
+# halving it costs 1.3 ms a layer at 128K on an H100 (results/speed/layer_profile_*.csv).
+FFN_CHUNK_TOKENS = 32768
+
+
 @dataclass
 class ModelCfg:
     name: str = MISSING
@@ -57,8 +63,11 @@ class ModelCfg:
     architecture: str | None = None
     seed: int = 0
     # How, not what: neither changes a prediction, so neither is part of a record's fingerprint.
-    ffn_chunk_tokens: int | None = 16384  # feed-forward blocks run over this many tokens at once
+    ffn_chunk_tokens: int | None = FFN_CHUNK_TOKENS  # feed-forward blocks over this many tokens
     device_map: str | None = None  # "auto": spread the layers over every visible GPU (accelerate)
+    # Compile each decoder layer's regions outside attention (rbs_bench.models.fastpath); None:
+    # on CUDA only. The logits equal the eager model's within rounding.
+    compile: bool | None = None
 
 
 @dataclass
@@ -131,6 +140,10 @@ class TimingCfg:
     each method inside a random-weight HF model (rbs_bench.bench.ttft). None: device default."""
 
     model: str | None = None  # tiny | qwen3_30b_a3b | qwen3_32b; None: qwen3_30b_a3b on CUDA
+    # A checkpoint directory loaded through from_pretrained (its own depth and dtype, e.g. the FP8
+    # checkpoint `python -m rbs_bench.models.rehearsal write` makes); `model` names its rows.
+    checkpoint: str | None = None
+    device_map: str | None = None  # "auto": a checkpoint's layers over every visible GPU
 
     layers: int | None = None  # decoder layers; None: 4 (qwen3_30b_a3b) or the tiny model's 2
     contexts: list[int] | None = None  # prompt tokens; None: 32K-128K on CUDA, 1K and 2K on a CPU
@@ -143,7 +156,8 @@ class TimingCfg:
     warmup: int = 1  # untimed requests per method before the timed ones
     repeats: int | None = None  # timed requests (median reported); None: 3 on CUDA, 1 on a CPU
     batch_repeats: int | None = None  # timed requests of batch > 1 rows; None: repeats
-    ffn_chunk_tokens: int | None = 16384  # feed-forward blocks over this many tokens; 0: all
+    ffn_chunk_tokens: int | None = FFN_CHUNK_TOKENS  # feed-forward blocks' token chunk; 0: all
+    compile: bool | None = None  # layers' regions outside attention compiled; None: on CUDA only
     sdpa_backend: str = "default"  # dense SDPA backend: default | flash | cudnn | efficient | math
     seed: int = 0  # random weights and prompt tokens
     out_dir: str | None = None  # None: <results_dir>/speed

@@ -18,6 +18,7 @@ from tqdm import tqdm
 from rbs_bench import benchmarks, models
 from rbs_bench.config import UserError, out_of_time
 from rbs_bench.execution import resolve_executor
+from rbs_bench.models import fastpath
 from rbs_bench.models.hf_attention import install, uninstall
 from rbs_bench.records import RecordStore, cell_lock, check_settings, write_settings
 from rbs_bench.session import (
@@ -213,11 +214,14 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
 
 @torch.inference_mode()
 def _warm_up(loaded: Loaded, sample) -> None:
-    """One untimed prefill of a prompt of this length, so kernel compilation is not timed."""
+    """One untimed prefill of a prompt of this length and one decode step, so that kernel
+    compilation and autotuning (and the compiled layers' graphs) are not timed."""
     from rbs_bench.models.vision import reset_position_state
 
     reset_position_state(loaded.model)
-    loaded.model(**model_inputs(loaded, sample), use_cache=True, logits_to_keep=1)
+    out = loaded.model(**model_inputs(loaded, sample), use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    loaded.model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
     torch.cuda.synchronize(loaded.device)
 
 
@@ -308,5 +312,9 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
         "device": str(loaded.device),
         "gpu": torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else None,
         "executor": resolve_executor(cfg.executor, loaded.device),
+        # how the model ran (not part of the records' fingerprint: neither changes a prediction
+        # beyond rounding): its feed-forward token chunk and whether its layers were compiled
+        "ffn_chunk_tokens": cfg.model.ffn_chunk_tokens,
+        "compiled": fastpath.is_installed(loaded.model),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

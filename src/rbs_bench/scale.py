@@ -42,6 +42,9 @@ HEAD = (
 )
 
 
+OLD_FFN_CHUNK = 16384  # the feed-forward chunk of runs that did not record theirs
+
+
 def gpu_slug(name: str) -> str:
     """A GPU's name as used in file names ("NVIDIA H200" -> "nvidia_h200")."""
     return re.sub(r"[^a-z0-9]+", "_", str(name).lower()).strip("_")
@@ -59,14 +62,19 @@ def _estimate_gib(
     batch: int = 1,
     layers: int | None = None,
     gpus: int = 1,
+    chunk: int | None = None,
     visual_tokens: int | None = None,
 ):
     """The memory estimate in GiB (on the busiest GPU when the layers are spread over `gpus`), or
-    None for a model without a shipped architecture."""
+    None for a model without a shipped architecture. `chunk`: the run's feed-forward token chunk
+    (records and rows from before it was recorded ran 16384)."""
     from rbs_bench.models import memory
 
+    chunk = OLD_FFN_CHUNK if chunk is None or pd.isna(chunk) else int(chunk) or None
     try:
-        e = memory.estimate_model(model, context, batch, layers, visual_tokens=visual_tokens)
+        e = memory.estimate_model(
+            model, context, batch, layers, ffn_chunk_tokens=chunk, visual_tokens=visual_tokens
+        )
     except ValueError:  # the embedded tiny model, or a hub model without a shipped config
         return None
     return (e.total if gpus <= 1 else memory.per_gpu(e, gpus)) / memory.GiB
@@ -132,6 +140,7 @@ def run_cells(results: Path) -> pd.DataFrame:
                     "density_p90": float(np.nanpercentile(flat, 90)),
                     "recall": _mean(recs, "recall"),
                     "recall_s": _mean(recs, "recall_s"),
+                    "ffn_chunk_tokens": recs[0].get("ffn_chunk_tokens"),
                     # records name their GPU count (older ones only when above one)
                     "gpus": max(int(r.get("gpus") or 1) for r in recs),
                     # the longest request: its prompt and answer (a video prompt's length is
@@ -172,13 +181,13 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
     cells = cells.sort_values(["experiment", "model", "context", "method", "budget"])
     for _, c in cells.iterrows():
         gpus = int(c.get("gpus", 1) or 1)
+        est = None
         tokens = int(c.get("tokens") or 0) or c["context"]
-        visual = int(c.get("visual_tokens") or 0)
-        est = (
-            _estimate_gib(c["model"], int(tokens), gpus=gpus, visual_tokens=visual)
-            if tokens
-            else None
-        )
+        if tokens:
+            chunk, visual = c.get("ffn_chunk_tokens"), int(c.get("visual_tokens") or 0)
+            est = _estimate_gib(
+                c["model"], int(tokens), gpus=gpus, chunk=chunk, visual_tokens=visual
+            )
         share = c.get("visual_share", math.nan)
         out.append(
             f"| {c['experiment']} | {c['model']} | {_display(c['method'])} | {c['budget']} | "
@@ -312,7 +321,12 @@ def _ttft_section(df: pd.DataFrame, csv: Path) -> list[str]:
         ok = r["status"] == "ok"  # the speedups bench.ttft wrote beside each row
         xa = r.get("attention_speedup") if ok else None
         xt = r.get("ttft_speedup") if ok else None
-        est = _estimate_gib(str(r["model"]), int(r["n"]), int(r["batch"]), int(r["layers"]))
+        gpus = r.get("gpus")
+        est = _estimate_gib(
+            str(r["model"]), int(r["n"]), int(r["batch"]), int(r["layers"]),
+            gpus=1 if gpus is None or pd.isna(gpus) else max(1, int(gpus)),
+            chunk=r.get("ffn_chunk_tokens"),
+        )  # fmt: skip
         out.append(
             f"| {r['model']} | {r['layers']} | {r['batch']} | {int(r['n']):,} | "
             f"{_display(r['method'])} | {r['status']} | {_num(r.get('density'), '.4f')} | "

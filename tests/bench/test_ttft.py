@@ -321,3 +321,27 @@ def test_gpu_one_layer_qwen3_30b_a3b_shape(tmp_path):
     assert df.loc["dense", "peak_allocated_mib"] > df.loc["dense", "model_mib"]
     assert df.loc["rbs", "peak_reserved_mib"] >= df.loc["rbs", "peak_allocated_mib"]
     assert df.loc["rbs", "ttft_ms"] > df.loc["rbs", "attention_ms"] > df.loc["rbs", "selector_ms"]
+
+
+def test_a_checkpoint_directory_is_timed_through_from_pretrained(tmp_path):
+    """--checkpoint loads a saved model as a hub id loads (here the tiny model saved to disk):
+    its own depth and dtype name the rows."""
+    from rbs_bench.models import tiny
+
+    ckpt = tmp_path / "ckpt"
+    tiny.build_model(tiny.tiny_config(num_hidden_layers=3)).save_pretrained(ckpt)
+    s = ttft.resolve(
+        TimingCfg(checkpoint=str(ckpt), model="tiny_ckpt", contexts=[256], methods=["dense"]),
+        device="cpu",
+        out=tmp_path,
+        progress=False,
+    )
+    assert (s.model, s.layers, s.dtype) == ("tiny_ckpt", 3, "float32")
+    lm = ttft.build_model(s)
+    assert "tiny_ckpt from the checkpoint ckpt" in lm.description
+    with torch.inference_mode():
+        out = ttft.request(lm, ttft.prompts(s, 256, lm.vocab)[:1])
+    assert out["ttft_ms"] > 0
+    bad = TimingCfg(checkpoint=str(tmp_path / "none"), contexts=[256])
+    with pytest.raises(UserError, match="cannot read .*config.json"):
+        ttft.resolve(bad, device="cpu", out=tmp_path, progress=False)

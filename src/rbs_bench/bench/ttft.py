@@ -10,7 +10,7 @@ YaRN to 128K) with random weights and `--layers` decoder layers (default 4; the 
 and 64), bf16. On a CPU, the embedded tiny Qwen3 (`rbs_bench.models.tiny`, 2 layers, fp32). Timing
 needs no trained weights: a prefill's cost depends on the shapes and on how many blocks each method
 keeps, and calibration fixes the latter on this input. Every table states the model and its layer
-count. Feed-forward blocks run over `--ffn-chunk-tokens` tokens at a time (16384;
+count. Feed-forward blocks run over `--ffn-chunk-tokens` tokens at a time (32768;
 `rbs_bench.models.feedforward`): unchunked, the MoE's intermediates alone take 18 GiB at 128K.
 
 Per context N (default 32K/64K/96K/128K on CUDA, 1K/2K on a CPU), largest first:
@@ -138,7 +138,7 @@ class Settings:
     """A resolved timing run: every field set, checked against the device and the registry."""
 
     device: torch.device
-    model: str
+    model: str  # the rows' model name: a shipped architecture, tiny, or a checkpoint's label
     layers: int
     contexts: list[int]
     batches: list[int]
@@ -150,6 +150,7 @@ class Settings:
     repeats: int
     batch_repeats: int  # timed requests of a row at batch > 1
     ffn_chunk_tokens: int | None  # feed-forward blocks over this many tokens at once (None: all)
+    compile: bool  # the decoder layers' regions outside attention compiled (models.fastpath)
     executor: str
     sdpa_backend: str
     seed: int
@@ -157,6 +158,9 @@ class Settings:
     time_budget_s: float | None
     progress: bool = True
     retry_oom: bool = False
+    checkpoint: Path | None = None  # a checkpoint directory loaded through from_pretrained
+    device_map: str | None = None  # "auto": the checkpoint's layers over every visible GPU
+    dtype: str = ""  # the rows' dtype: the weights' (fp8 for block-FP8 checkpoints)
 
     @property
     def tag(self) -> str:
@@ -186,20 +190,28 @@ def resolve(
     dev = resolve_device(device)
     defaults = DEVICE_DEFAULTS["cuda" if dev.type == "cuda" else "cpu"]
     pick = lambda name: defaults[name] if getattr(tc, name) is None else getattr(tc, name)
-    model = pick("model")
-    if model not in MODELS:
-        raise UserError(f"timing.model={model!r}; valid: {', '.join(MODELS)}")
-    if model != "tiny" and dev.type != "cuda":
-        raise UserError(
-            f"timing.model={model} needs a CUDA device (its 32K-128K prompts would take "
-            "hours on a CPU); use timing.model=tiny"
-        )
-    layers = tc.layers if tc.layers is not None else DEFAULT_LAYERS.get(model, _tiny_layers())
-    max_layers = _full_depth(model) if model != "tiny" else 64
-    if not 1 <= layers <= max_layers:
-        raise UserError(f"timing.layers={layers}; use 1-{max_layers}")
+    checkpoint = Path(tc.checkpoint).expanduser() if tc.checkpoint else None
+    if checkpoint is not None:
+        fields = _checkpoint_fields(checkpoint)
+        model = tc.model or checkpoint.name
+        depth, limit = fields["num_hidden_layers"], fields.get("max_position_embeddings", 1 << 30)
+        layers = depth if tc.layers is None else tc.layers
+        dtype = _checkpoint_dtype(fields)
+    else:
+        model = pick("model")
+        if model not in MODELS:
+            raise UserError(f"timing.model={model!r}; valid: {', '.join(MODELS)}")
+        if model != "tiny" and dev.type != "cuda":
+            raise UserError(
+                f"timing.model={model} needs a CUDA device (its 32K-128K prompts would take "
+                "hours on a CPU); use timing.model=tiny"
+            )
+        layers = tc.layers if tc.layers is not None else DEFAULT_LAYERS.get(model, _tiny_layers())
+        depth = _full_depth(model) if model != "tiny" else 64
+        limit, dtype = _max_positions(model), MODEL_DTYPES[model]
+    if not 1 <= layers <= depth:
+        raise UserError(f"timing.layers={layers}; use 1-{depth}")
     contexts = sorted({int(n) for n in pick("contexts")}, reverse=True)
-    limit = _max_positions(model)
     bad = [n for n in contexts if not 1 < n <= limit]
     if bad:
         raise UserError(f"timing.contexts {bad} outside 2-{limit} tokens for model {model}")
@@ -233,6 +245,8 @@ def resolve(
         resolve_executor(executor, dev)
     except ValueError as e:
         raise UserError(str(e)) from None
+    from rbs_bench.models import fastpath
+
     batch_contexts = pick("batch_contexts")
     batch_contexts = contexts if batch_contexts is None else [int(n) for n in batch_contexts]
     return Settings(
@@ -249,6 +263,7 @@ def resolve(
         repeats=int(repeats),
         batch_repeats=int(batch_repeats),
         ffn_chunk_tokens=chunk,
+        compile=fastpath.enabled(tc.compile, dev),
         executor=executor,
         sdpa_backend=tc.sdpa_backend,
         seed=int(tc.seed),
@@ -256,7 +271,43 @@ def resolve(
         time_budget_s=pick("time_budget_s"),
         progress=progress,
         retry_oom=bool(tc.retry_oom),
+        checkpoint=checkpoint,
+        dtype=dtype,
+        device_map=_device_map(tc, checkpoint, dev),
     )
+
+
+def _device_map(tc, checkpoint: Path | None, dev: torch.device) -> str | None:
+    wanted = getattr(tc, "device_map", None)
+    if wanted is None:
+        return None
+    if wanted != "auto" or checkpoint is None or dev.type != "cuda":
+        raise UserError(
+            f"timing.device_map={wanted!r}: only auto, for a --checkpoint on CUDA (it spreads "
+            "the checkpoint's layers over every visible GPU)"
+        )
+    return wanted
+
+
+def _checkpoint_fields(path: Path) -> dict:
+    """The text-model fields of a checkpoint directory's config.json (one line if unreadable)."""
+    cfg = path / "config.json"
+    try:
+        fields = json.loads(cfg.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"timing.checkpoint={path}: cannot read {cfg} ({e})") from None
+    text = fields.get("text_config", fields)
+    if "num_hidden_layers" not in text:
+        raise UserError(f"timing.checkpoint={path}: {cfg} has no num_hidden_layers")
+    return {**text, "quantization_config": fields.get("quantization_config")}
+
+
+def _checkpoint_dtype(fields: dict) -> str:
+    """fp8 for block-FP8 weights, else the checkpoint's own dtype (bfloat16, ...)."""
+    quant = fields.get("quantization_config") or {}
+    if quant.get("quant_method") == "fp8":
+        return "fp8"
+    return str(fields.get("dtype") or fields.get("torch_dtype") or "bfloat16")
 
 
 def _tiny_layers() -> int:
@@ -293,19 +344,23 @@ class Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def mark(self):
+    def mark(self, device: torch.device | None = None):
+        """A timestamp; on CUDA an event on `device`'s current stream (default: the current
+        device), so that a span of a layer on another GPU (model.device_map=auto) is timed on
+        that GPU."""
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(None if device is None else torch.cuda.current_stream(device))
         return event
 
     def ms(self, start, end) -> float:
         return start.elapsed_time(end) if self.cuda else 1e3 * (end - start)
 
     def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
+        if self.cuda:  # every GPU: a model may span several (model.device_map=auto)
+            for d in range(torch.cuda.device_count()):
+                torch.cuda.synchronize(d)
 
 
 @dataclass
@@ -321,8 +376,8 @@ class Probe:
         for v in self.spans.values():
             v.clear()
 
-    def span(self, kind: str, start) -> None:
-        self.spans[kind].append((start, self.clock.mark()))
+    def span(self, kind: str, start, device: torch.device | None = None) -> None:
+        self.spans[kind].append((start, self.clock.mark(device)))
 
     def totals(self) -> dict:
         """{attention_ms, selector_ms}: sums over the spans (call after the clock's sync)."""
@@ -339,9 +394,9 @@ def timed_attention_forward(
         return rbs_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if probe.on_layer is not None:  # [B, Hq, N, D], [B, Hkv, N, D] after RoPE
         probe.on_layer(query, key, kwargs.get("scaling"))
-    start = probe.clock.mark()
+    start = probe.clock.mark(query.device)
     out = rbs_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    probe.span("attention", start)
+    probe.span("attention", start, query.device)
     return out
 
 
@@ -362,9 +417,9 @@ class TimedSelector:
         return getattr(self.inner, name)
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None):
-        start = self.probe.clock.mark()
+        start = self.probe.clock.mark(q.device)
         sel = self.inner.select(q, k, scale=scale)
-        self.probe.span("selector", start)
+        self.probe.span("selector", start, q.device)
         return sel
 
 
@@ -390,10 +445,11 @@ def build_model(s: Settings, overrides: dict | None = None) -> Loaded:
     """The random-weight model of `s` on its device, with `rbs_timed` attention and a probe on
     every attention module. `overrides` change config fields (tests shrink the MoE with it)."""
     from rbs_bench.models import rehearsal, tiny
-    from rbs_bench.models.feedforward import chunk_feedforward
 
     register_timed()
     torch.manual_seed(s.seed)
+    if s.checkpoint is not None:
+        return _finish_loaded(s, *_load_checkpoint(s, overrides), s.dtype)
     dtype = getattr(torch, MODEL_DTYPES[s.model])
     if s.model != "tiny":
         fields = {"num_hidden_layers": s.layers, **ARCH_OVERRIDES.get(s.model, {})}
@@ -414,6 +470,43 @@ def build_model(s: Settings, overrides: dict | None = None) -> Loaded:
         cfg = tiny.tiny_config(num_hidden_layers=s.layers, **(overrides or {}))
         model = tiny.build_model(cfg).to(s.device)
         what = f"tiny Qwen3 (rbs_bench.models.tiny), random weights, {s.layers} layers, fp32"
+    return _finish_loaded(s, model, cfg, what, MODEL_DTYPES[s.model])
+
+
+def _load_checkpoint(s: Settings, overrides: dict | None):
+    """(model, text config, description) of `s.checkpoint`, loaded through from_pretrained as a
+    hub id is (FP8 weights through transformers' FP8 integration), onto the run's device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {"num_hidden_layers": s.layers, **(overrides or {})}
+    config = AutoConfig.from_pretrained(s.checkpoint, **fields)
+    if s.dtype == "fp8":  # transformers' FP8 layers run the project's FP8 GEMMs
+        from rbs_bench.models import fp8
+
+        fp8.install_kernels()
+    device_map = s.device_map or (str(s.device) if s.device.type == "cuda" else None)
+    model = AutoModelForCausalLM.from_pretrained(
+        s.checkpoint, config=config, dtype="auto", attn_implementation="sdpa",
+        device_map=device_map,
+    )  # fmt: skip
+    text = config.get_text_config()
+    what = (
+        f"{s.model} from the checkpoint {s.checkpoint.name} ({s.dtype} weights), "
+        f"{s.layers} of {_checkpoint_fields(s.checkpoint)['num_hidden_layers']} layers"
+    )
+    if s.device_map is not None:
+        what += f", over {len(_gpus(model))} GPUs (device_map={s.device_map})"
+        return model, text, what
+    return model.to(s.device), text, what
+
+
+def _finish_loaded(s: Settings, model, cfg, what: str, dtype: str) -> Loaded:
+    """The harness's settings on a built or loaded model: compiled layers, feed-forward chunks,
+    the timed attention with a probe on every attention module."""
+    from rbs_bench.models import fastpath
+    from rbs_bench.models.feedforward import chunk_feedforward
+
+    fastpath.install(model, s.compile)
     chunk_feedforward(model, s.ffn_chunk_tokens)
     model.eval()
     model.set_attn_implementation(TIMED_IMPL)
@@ -421,8 +514,8 @@ def build_model(s: Settings, overrides: dict | None = None) -> Loaded:
     for m in attention_modules(model):
         setattr(m, _PROBE, probe)
     if s.device.type == "cuda":
-        torch.cuda.synchronize()
-        weights = torch.cuda.memory_allocated() / MiB
+        Clock(s.device).sync()
+        weights = sum(map(torch.cuda.memory_allocated, _gpus(model))) / MiB
     else:
         weights = _tensor_bytes([*model.parameters(), *model.buffers()]) / MiB
     return Loaded(
@@ -430,7 +523,7 @@ def build_model(s: Settings, overrides: dict | None = None) -> Loaded:
         probe,
         s.device,
         what,
-        str(dtype).removeprefix("torch."),
+        dtype,
         cfg.num_attention_heads,
         cfg.num_key_value_heads,
         cfg.head_dim,
@@ -472,12 +565,13 @@ def request(lm: Loaded, ids: Tensor) -> dict:
     out = lm.model(input_ids=ids.to(lm.device), use_cache=True, logits_to_keep=1)
     first = out.logits[:, -1].argmax(-1).cpu()  # greedy: the first generated token, on the host
     t1 = clock.mark()
-    lm.model(
+    step = lm.model(
         input_ids=first[:, None].to(lm.device),
         past_key_values=out.past_key_values,
         use_cache=True,
         logits_to_keep=1,
     )
+    step.logits[:, -1].argmax(-1).cpu()  # the second token on the host
     t2 = clock.mark()
     clock.sync()
     return {"ttft_ms": clock.ms(t0, t1), "decode_ms": clock.ms(t1, t2), **probe.totals()}
@@ -648,7 +742,16 @@ def _measure(cal: Calibrated, selector, q: Tensor, k: Tensor) -> None:
 
 
 def _peak_mib(device: torch.device) -> float:
-    return torch.cuda.max_memory_allocated(device) / MiB if device.type == "cuda" else 0.0
+    if device.type != "cuda":
+        return 0.0
+    return max(map(torch.cuda.max_memory_allocated, _gpus())) / MiB
+
+
+def _gpus(model=None) -> list[int]:
+    """The GPUs a model's parameters are on (every visible GPU without a model)."""
+    if model is None:
+        return list(range(torch.cuda.device_count()))
+    return sorted({p.device.index for p in model.parameters() if p.device.type == "cuda"})
 
 
 def _release(device: torch.device) -> None:
@@ -676,7 +779,8 @@ def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, cal: Calibrated | 
                     _, extra = cpu_peak_bytes(lambda: request(lm, ids))
             _release(lm.device)
             if cuda:
-                torch.cuda.reset_peak_memory_stats()
+                for d in _gpus():
+                    torch.cuda.reset_peak_memory_stats(d)
             runs = []
             for _ in range(s.repeats if ids.shape[0] == 1 else s.batch_repeats):
                 if recorder is not None:
@@ -684,8 +788,9 @@ def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, cal: Calibrated | 
                 runs.append(request(lm, ids))
             density = recorder.summary()["density_mean"] if recorder is not None else 1.0
             if cuda:
-                peak = torch.cuda.max_memory_allocated() / MiB
-                reserved = torch.cuda.max_memory_reserved() / MiB
+                # the busiest GPU (model.device_map=auto spreads the layers over several)
+                peak = max(map(torch.cuda.max_memory_allocated, _gpus())) / MiB
+                reserved = max(map(torch.cuda.max_memory_reserved, _gpus())) / MiB
             else:
                 if extra is None:
                     _, extra = cpu_peak_bytes(lambda: request(lm, ids))
@@ -715,7 +820,9 @@ def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, cal: Calibrated | 
 # ------------------------------------------------------------------------------------------------
 # The run: plan, resume, calibrate, time, write.
 
-KEY = ("model", "layers", "dtype", "batch", "n", "method", "target", "ffn_chunk_tokens")
+KEY = (
+    "model", "layers", "dtype", "batch", "n", "method", "target", "ffn_chunk_tokens", "compile"
+)
 
 
 def _chunk_key(value) -> int:
@@ -729,6 +836,8 @@ def row_key(r: dict) -> tuple:
         if k == "target"
         else _chunk_key(r.get(k))
         if k == "ffn_chunk_tokens"
+        else as_bool(r.get(k))  # rows from before the column ran eager
+        if k == "compile"
         else (int(r[k]) if k in ("layers", "batch", "n") else str(r[k]))
         for k in KEY
     )
@@ -753,7 +862,9 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     # rows from before the column ran their feed-forward blocks unchunked: 0
     chunk = df["ffn_chunk_tokens"] if "ffn_chunk_tokens" in df else pd.Series(0, index=df.index)
     df["ffn_chunk_tokens"] = chunk.fillna(0).astype(int)
-    keys = ["model", "layers", "dtype", "batch", "n", "ffn_chunk_tokens"]
+    # rows from before the column ran every layer eagerly
+    df["compile"] = df["compile"].map(as_bool) if "compile" in df else False
+    keys = ["model", "layers", "dtype", "batch", "n", "ffn_chunk_tokens", "compile"]
     ok = df["status"] == "ok"
     dense = df[ok & (df["method"] == methods.DENSE)].drop_duplicates(keys, keep="last")
     dense = dense[keys + ["ttft_ms", "attention_ms"]].rename(
@@ -831,8 +942,9 @@ def run(s: Settings) -> pd.DataFrame:
     if s.retry_oom:  # run again; the new row replaces the oom one
         rows = [r for r in rows if r.get("status") != "oom"]
     done = {row_key(r) for r in rows}
-    common = {"model": s.model, "layers": s.layers, "dtype": MODEL_DTYPES[s.model]}
+    common = {"model": s.model, "layers": s.layers, "dtype": s.dtype}
     common["ffn_chunk_tokens"] = s.ffn_chunk_tokens or 0
+    common["compile"] = s.compile
 
     def key(b, n, m):
         return row_key({**common, "batch": b, "n": n, "method": m, "target": _target(s, m)})
@@ -885,11 +997,13 @@ def run(s: Settings) -> pd.DataFrame:
         t0 = time.perf_counter()
         bar.set_postfix_str(f"b={b} N={n} {name}")
         row = {**common, "device": _device_name(lm.device), "model_desc": lm.description}
+        row["gpus"] = len(_gpus(lm.model)) if lm.device.type == "cuda" else 0
         row.update(heads=lm.heads, kv_heads=lm.kv_heads, head_dim=lm.head_dim)
         row.update(batch=b, n=n, method=name, target=_target(s, name))
         row.update(_cal_columns(cal, b))
         if lm.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(lm.device)
+            for d in _gpus():
+                torch.cuda.reset_peak_memory_stats(d)
         try:
             row.update(status="ok", **time_row(s, lm, ids, name, cal))
         except torch.cuda.OutOfMemoryError as e:
@@ -948,7 +1062,7 @@ def _plot(s: Settings, df: pd.DataFrame) -> None:
     from rbs_bench.tables import timing
 
     same = (df["model"] == s.model) & (df["layers"] == s.layers)
-    same &= (df["dtype"] == MODEL_DTYPES[s.model]) & (
+    same &= (df["dtype"] == s.dtype) & (
         (df["method"] == methods.DENSE) | (df["target"] == s.target)
     )
     standalone = timing.standalone_rows(s.out, s.tag, s.target)
@@ -1058,8 +1172,21 @@ def run_experiment(cfg, experiment: str) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     d = TimingCfg()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=MODELS, help="default: qwen3_30b_a3b on CUDA, else tiny")
+    ap.add_argument(
+        "--model",
+        help=f"one of {', '.join(MODELS)} (default: qwen3_30b_a3b on CUDA, else tiny); with "
+        "--checkpoint, the name of its rows",
+    )
     ap.add_argument("--layers", type=int, help="decoder layers (default 4; tiny: 2)")
+    ap.add_argument(
+        "--device-map", choices=["auto"], help="a --checkpoint's layers over every visible GPU"
+    )
+    ap.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a checkpoint directory (e.g. written by rbs_bench.models.rehearsal) loaded "
+        "through from_pretrained instead of a random model; --model names its rows",
+    )
     ap.add_argument("--contexts", type=int, nargs="+", help="default 32K-128K on CUDA, 1K 2K")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument(
@@ -1080,6 +1207,12 @@ def main(argv: list[str] | None = None) -> int:
         default=d.ffn_chunk_tokens,
         help="feed-forward blocks over this many tokens at once (0: all at once)",
     )
+    ap.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=d.compile,
+        help="compile each layer's regions outside attention (default: on CUDA only)",
+    )
     ap.add_argument("--executor", default="auto")
     ap.add_argument("--sdpa-backend", default=d.sdpa_backend, choices=SDPA_BACKENDS)
     ap.add_argument("--seed", type=int, default=d.seed)
@@ -1096,6 +1229,8 @@ def main(argv: list[str] | None = None) -> int:
     use_expandable_segments()
     tc = TimingCfg(
         model=args.model,
+        checkpoint=str(args.checkpoint) if args.checkpoint else None,
+        device_map=args.device_map,
         layers=args.layers,
         contexts=args.contexts,
         batches=args.batches,
@@ -1107,6 +1242,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=args.repeats,
         batch_repeats=args.batch_repeats,
         ffn_chunk_tokens=args.ffn_chunk_tokens,
+        compile=args.compile,
         sdpa_backend=args.sdpa_backend,
         seed=args.seed,
         time_budget_s=args.time_budget_s,

@@ -33,7 +33,7 @@ __all__ = [
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Model fields that change how a prediction is computed, not what it is: not in a fingerprint.
-HOW_FIELDS = ("ffn_chunk_tokens", "device_map")
+HOW_FIELDS = ("ffn_chunk_tokens", "device_map", "compile")
 RANDOM_FIELDS = ("random_init", "architecture", "seed")  # only a random-weight model's identity
 _LAZY = ("ATTN_IMPL", "PrefillRecorder", "install", "uninstall", "register")
 
@@ -109,9 +109,13 @@ def cuda_devices(model) -> list:
 
 
 def _finish(model, model_cfg):
-    """The harness's settings on a loaded model: feed-forward blocks in token chunks."""
+    """The harness's settings on a loaded model: the layers' regions outside attention compiled
+    (`model.compile`, default on CUDA), feed-forward blocks in token chunks."""
+    from rbs_bench.models import fastpath
     from rbs_bench.models.feedforward import chunk_feedforward
 
+    device = next(model.parameters()).device
+    fastpath.install(model, fastpath.enabled(getattr(model_cfg, "compile", None), device))
     chunk_feedforward(model, getattr(model_cfg, "ffn_chunk_tokens", None))
     return model
 

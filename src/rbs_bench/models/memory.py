@@ -32,6 +32,8 @@ import os
 import sys
 from dataclasses import dataclass
 
+from rbs_bench.config import FFN_CHUNK_TOKENS
+
 GiB = 2**30
 CUDA_CONTEXT_GIB = 1.0  # CUDA context, cuBLAS/cuDNN workspaces and allocator slack, roughly
 ALLOC_CONF = "expandable_segments:True"
@@ -247,7 +249,7 @@ def estimate_model(
     context: int,
     batch: int = 1,
     layers: int | None = None,
-    ffn_chunk_tokens: int | None = 16384,
+    ffn_chunk_tokens: int | None = FFN_CHUNK_TOKENS,
     weight_bytes_per_param: int | None = None,
     visual_tokens: int | None = None,
 ) -> Estimate:
@@ -308,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--gpu-gib", type=float, default=79.0, help="usable memory per GPU (H100: 79)")
-    ap.add_argument("--ffn-chunk-tokens", type=int, default=16384, help="0: unchunked")
+    ap.add_argument(
+        "--ffn-chunk-tokens", type=int, default=FFN_CHUNK_TOKENS, help="0: unchunked"
+    )
     ap.add_argument(
         "--weight-bytes",
         type=int,

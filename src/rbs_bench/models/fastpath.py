@@ -1,0 +1,267 @@
+"""The decoder layer outside attention at matrix-product speed: regional `torch.compile`.
+
+In eager mode a prefill spends far more time outside attention than the layer's matrix products
+need: every RMSNorm is six passes over the hidden states in fp32, the q/k norms and RoPE copy the
+queries several times, SwiGLU three more, and a mixture of experts adds its routing, a sort,
+gathers, a weighted sum and the reduction over its top-k experts, each a separate kernel. At 128K
+tokens of Qwen3-30B-A3B these passes cost several times the layer's GEMMs
+(`python -m rbs_bench.bench.layer_profile` breaks a layer into kernel families and measures the
+GEMM-only time beside it).
+
+`install(model)` compiles, in every decoder layer, the regions that hold no attention, and keeps
+the attention itself eager and opaque, so every method (its selector, its kernel, the recorder)
+runs exactly as before:
+
+- the input and post-attention RMSNorms (one fused kernel each);
+- the attention module's projections, q/k norms and rotary embedding, as one region: its
+  key/value cache update and the attention function (`rbs_sparse`, SDPA, ...) run eagerly after it,
+  then the output projection;
+- the feed-forward block (MoE router and grouped experts, or a dense SwiGLU MLP), which
+  `rbs_bench.models.feedforward` still runs over bounded token chunks.
+
+A region is compiled once per process for all layers (each call passes its module, whose
+parameters are graph inputs), with the token dimension dynamic, so prompts of any length reuse one
+graph; a one-token decode step gets its own. Supported attention modules are the Qwen3 family's
+and Llama's (the `ATTENTION_CLASSES` below); a layer whose attention module is another keeps its
+eager attention forward and still has its norms and feed-forward block compiled.
+`install(model, False)` restores every eager forward. `model.compile` (default: on CUDA only)
+selects the path in the runner, calibration and `bench.ttft`; tests/models/test_fastpath.py checks
+that the compiled model's logits equal the eager model's.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import types
+
+import torch
+from torch import Tensor
+
+# Attention modules whose forward is: q/k/v projections (q/k norms over the head dim, if any),
+# rotary embedding, cache update, the attention interface, output projection.
+ATTENTION_CLASSES = (
+    "Qwen3Attention",
+    "Qwen3MoeAttention",
+    "Qwen3VLTextAttention",
+    "Qwen3VLMoeTextAttention",
+    "LlamaAttention",
+)
+_EAGER = "_rbs_eager_forwards"  # on the model: {module: its own forward attribute or None}
+_REGIONS: dict = {}  # function -> its compiled version, shared by every layer
+
+
+def enabled(setting: bool | None, device: torch.device) -> bool:
+    """`model.compile`: True / False as given; None compiles on CUDA only (on a CPU, inductor's
+    C++ compile takes longer than the small prompts there save)."""
+    return device.type == "cuda" if setting is None else bool(setting)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers: modules with `self_attn`, `mlp` and both RMSNorms."""
+    names = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    return [m for m in model.modules() if all(hasattr(m, n) for n in names)]
+
+
+def install(model: torch.nn.Module, compile: bool = True) -> int:
+    """Compile every decoder layer's regions outside attention (`compile=False`: back to eager).
+    Returns the number of layers set. Call before `chunk_feedforward`, which then chunks the
+    compiled feed-forward blocks."""
+    _restore(model)
+    layers = decoder_layers(model)
+    if not compile:
+        return len(layers)
+    saved: dict = {}
+    for layer in layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            _set_forward(norm, _bind(_norm_forward, norm), saved)
+        _set_forward(layer.mlp, _bind(_feedforward, layer.mlp), saved)
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and _grouped_experts(experts):
+            _set_forward(experts, types.MethodType(_experts_forward, experts), saved)
+        attn = layer.self_attn
+        if type(attn).__name__ in ATTENTION_CLASSES:
+            _set_forward(attn, types.MethodType(_attention_forward, attn), saved)
+    model.__dict__[_EAGER] = saved
+    return len(layers)
+
+
+def is_installed(model: torch.nn.Module) -> bool:
+    return bool(model.__dict__.get(_EAGER))
+
+
+def _restore(model: torch.nn.Module) -> None:
+    for module, own in model.__dict__.pop(_EAGER, {}).items():
+        attr = "_old_forward" if hasattr(module, "_hf_hook") else "forward"
+        if own is None:
+            module.__dict__.pop(attr, None)
+        else:
+            setattr(module, attr, own)
+
+
+def _set_forward(module: torch.nn.Module, forward, saved: dict) -> None:
+    """Replace the module's forward; under accelerate's device hook (model.device_map=auto) the
+    hook's inner forward, so that inputs still move to the module's device first."""
+    attr = "_old_forward" if hasattr(module, "_hf_hook") else "forward"
+    saved[module] = module.__dict__.get(attr)
+    setattr(module, attr, forward)
+
+
+def _region(fn):
+    """fn compiled once per process: every layer's module runs the same graph."""
+    compiled = _REGIONS.get(fn)
+    if compiled is None:
+        compiled = _REGIONS[fn] = torch.compile(fn, dynamic=False)
+    return compiled
+
+
+def _tokens_dynamic(*tensors: Tensor) -> None:
+    """Mark the token dimension (-2) of [..., N, X] inputs dynamic when N > 1, so that prompts
+    of every length share one graph (one-token decode steps keep their own)."""
+    for t in tensors:
+        if isinstance(t, Tensor) and t.dim() >= 2 and t.shape[-2] > 1:
+            torch._dynamo.maybe_mark_dynamic(t, t.dim() - 2)
+
+
+def _bind(fn, module: torch.nn.Module):
+    """A forward for `module` that runs the compiled `fn(module, x, ...)`."""
+    own = type(module).forward
+
+    @functools.wraps(own)
+    def forward(x: Tensor, *args, **kwargs):
+        _tokens_dynamic(x)
+        return _region(fn)(module, x, *args, **kwargs)
+
+    return forward
+
+
+def _norm_forward(norm: torch.nn.Module, x: Tensor) -> Tensor:
+    return type(norm).forward(norm, x)
+
+
+def _feedforward(block: torch.nn.Module, x: Tensor) -> Tensor:
+    return type(block).forward(block, x)
+
+
+def _project(attn: torch.nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor):
+    """q [B, Hq, N, D], k and v [B, Hkv, N, D]: projections, q/k norms, rotary embedding."""
+    shape = (*hidden.shape[:-1], -1, attn.head_dim)
+    q = attn.q_proj(hidden).view(shape)
+    k = attn.k_proj(hidden).view(shape)
+    v = attn.v_proj(hidden).view(shape).transpose(1, 2)
+    if hasattr(attn, "q_norm"):
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb  # the model's own RoPE
+    q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    # left in the projections' [B, N, H, D] memory: made contiguous here, the queries cost a
+    # further copy in dense SDPA (measured, results/speed/layer_profile_*.csv)
+    return q, k, v
+
+
+def _attention_forward(
+    self: torch.nn.Module,
+    hidden_states: Tensor,
+    position_embeddings: tuple[Tensor, Tensor],
+    attention_mask: Tensor | None,
+    *args,
+    **kwargs,
+):
+    """The attention module's forward with its projections compiled: the cache update and the
+    attention function run eagerly, as the model's own forward runs them. The cache comes as
+    `past_key_values` (transformers up to 5.2x) or `cache` (later releases)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    cache = args[0] if args else kwargs.pop("cache", kwargs.pop("past_key_values", None))
+    cos, sin = position_embeddings
+    _tokens_dynamic(hidden_states, cos, sin)
+    q, k, v = _region(_project)(self, hidden_states, cos, sin)
+    if cache is not None:
+        k, v = _update(cache, k, v, self, kwargs)
+    eager = sys.modules[type(self).__module__].eager_attention_forward
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
+    window = getattr(self, "sliding_window", None)
+    extra = {} if window is None else {"sliding_window": window}
+    out, weights = attend(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **extra,
+        **kwargs,
+    )
+    out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
+    return self.o_proj(out), weights
+
+
+def _update(cache, k: Tensor, v: Tensor, attn: torch.nn.Module, kwargs: dict):
+    """The cache update as the model's own attention forward makes it (later transformers
+    releases hand the call's keyword arguments on to the cache layer)."""
+    if _passes_kwargs(type(attn)):
+        return cache.update(k, v, attn.layer_idx, kwargs=kwargs)
+    return cache.update(k, v, attn.layer_idx)
+
+
+@functools.cache
+def _passes_kwargs(cls: type) -> bool:
+    import inspect
+
+    return "self.layer_idx, kwargs=kwargs)" in inspect.getsource(cls.forward)
+
+
+def _grouped_experts(experts: torch.nn.Module) -> bool:
+    """Experts stored as [E, 2I, H] gate-up and [E, H, I] down weights without biases (bf16 or
+    block-FP8 with dynamic activation scales): the layout `_experts_forward` runs."""
+    return (
+        hasattr(experts, "gate_up_proj")
+        and hasattr(experts, "down_proj")
+        and getattr(experts, "has_gate", True)
+        and not getattr(experts, "has_bias", False)
+        and not getattr(experts, "is_transposed", False)
+        and not getattr(experts, "_is_expert_parallel", False)
+        and getattr(experts, "activation_scheme", "dynamic") == "dynamic"
+    )
+
+
+def _experts_forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """The experts of a MoE block: rows sorted by expert, two grouped GEMMs, the gated
+    activation, and each token's weighted sum in one pass (`kernels.moe_combine`) instead of
+    transformers' unpermute-multiply-sum over a new [N x k, H] buffer.
+
+    hidden [N, H], top_k_index / top_k_weights [N, k] -> [N, H]."""
+    from rbs_bench.kernels.moe_combine import moe_combine
+
+    n, k = top_k_index.shape
+    ids, perm = torch.sort(top_k_index.reshape(-1))
+    x = hidden[perm // k]  # [N x k, H] in expert order
+    counts = torch.histc(
+        ids.int() if ids.is_cuda else ids.float(), bins=self.num_experts, min=0,
+        max=self.num_experts - 1,
+    )  # fmt: skip
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = _grouped_linear(self, x, "gate_up_proj", offsets, counts)
+    y = _grouped_linear(self, self._apply_gate(h), "down_proj", offsets, counts)
+    pos = torch.empty_like(perm)
+    pos[perm] = torch.arange(perm.numel(), device=perm.device)
+    return moe_combine(y, pos.view(n, k), top_k_weights.to(y.dtype))
+
+
+def _grouped_linear(experts, x: Tensor, name: str, offsets: Tensor, counts: Tensor) -> Tensor:
+    """x @ W[e].T for each expert's rows; FP8 weights through transformers' FP8 grouped matmul."""
+    weight = getattr(experts, name)
+    if weight.element_size() == 1:
+        from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+
+        return load_finegrained_fp8_kernel().grouped_matmul(
+            x,
+            weight,
+            getattr(experts, f"{name}_scale_inv"),
+            offsets=offsets,
+            tokens_per_expert=counts,
+            block_size=experts.block_size,
+        )
+    from transformers.integrations.moe import _grouped_linear as grouped
+
+    return grouped(x, weight, offsets)
