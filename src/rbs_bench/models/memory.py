@@ -194,15 +194,6 @@ def estimate(
     )
 
 
-ARCHITECTURE_OF = {  # conf/model names with a shipped architecture
-    "qwen3_30b_a3b_fp8": "qwen3_30b_a3b",
-    "qwen3_30b_a3b_random": "qwen3_30b_a3b",
-    "qwen3_32b": "qwen3_32b",
-    "qwen3_32b_random": "qwen3_32b",
-    "qwen3_vl_30b_a3b_thinking_fp8": "qwen3_vl_30b_a3b",
-}
-
-
 def is_fp8(name: str) -> bool:
     """Whether model `name` runs from an FP8 checkpoint (the `*_fp8` model configs)."""
     return name.endswith("_fp8")
@@ -214,7 +205,7 @@ def model_config(name: str, layers: int | None = None):
     architecture name; `layers` decoder layers of its language model."""
     from rbs_bench.models import rehearsal
 
-    arch = ARCHITECTURE_OF.get(name, name)
+    arch = rehearsal.ARCHITECTURE_OF.get(name, name)
     overrides = {}
     if layers is not None:
         vl = "text_config" in rehearsal.architecture_fields(arch)
@@ -310,9 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--gpu-gib", type=float, default=79.0, help="usable memory per GPU (H100: 79)")
-    ap.add_argument(
-        "--ffn-chunk-tokens", type=int, default=FFN_CHUNK_TOKENS, help="0: unchunked"
-    )
+    ap.add_argument("--ffn-chunk-tokens", type=int, default=FFN_CHUNK_TOKENS, help="0: unchunked")
     ap.add_argument(
         "--weight-bytes",
         type=int,
