@@ -499,11 +499,13 @@ def _launch(
     out_dtype: torch.dtype | None = None,
     fused: bool = False,
     config: tuple | None = None,
+    quantized: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """The 2-d (offsets None) or grouped product, with the launch open for tests and tuning.
 
     fused: quantise x inside the product (dynamic scales only); config: (BLOCK_M, BLOCK_N,
-    num_warps, num_stages) instead of the autotuner's choice.
+    num_warps, num_stages) instead of the autotuner's choice; quantized: `fp8_act_quant(x)`
+    already computed (to time the product alone).
     """
     grouped = offsets is not None
     check_triton_launch("fp8_linear", x, weight, weight_scale_inv, offsets, activation_scale)
@@ -518,6 +520,8 @@ def _launch(
     fused = fused and activation_scale is None
     if fused:
         a, a_s = x, x  # a_s is never read
+    elif quantized is not None:
+        a, a_s = quantized
     else:
         a, a_s = fp8_act_quant(x, group, activation_scale)
     scales = weight_scale_inv.reshape(*weight.shape[:-2], -1, math.ceil(k / bk))  # per-tensor: 1x1
