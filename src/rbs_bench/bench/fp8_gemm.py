@@ -21,7 +21,9 @@ Times (`kind=time`), `triton.testing.do_bench` medians: the FP8 product as a lay
 (quantisation pass + product), the quantisation pass alone, the product alone on quantised
 inputs, the fused kernel; against bf16 cuBLAS (`F.linear` with the dequantised weight) and, for
 the experts, PyTorch's grouped GEMM (`F.grouped_mm` / `torch._grouped_mm`, the weight as
-transformers passes it, a transposed [E, K, N] view) on the same rows. TFLOP/s count 2 M N K.
+transformers passes it, a transposed [E, K, N] view) on the same rows; for the plain layers also
+cuBLAS's fp8 product with one scale per tensor (`torch._scaled_mm`, `fp8_cublas_tensorwise`): a
+ceiling for the rate, not the same function. TFLOP/s count 2 M N K.
 
 Rows go to DIR/fp8_gemm_<gpu>.csv as they finish; a rerun skips the rows already there, and
 --time-budget-s stops starting new ones. A failing variant is recorded as a row with its error.
@@ -159,7 +161,30 @@ def time_linear(name, tokens, rep_ms) -> dict:
         lambda: fk._launch(x, wq, s, BLOCK, fused=True), rep_ms
     )
     ms["bf16_cublas"] = do_bench(lambda: F.linear(x, w_bf16), rep_ms)
+    ceiling = scaled_mm_ceiling(quantized[0], wq)
+    if ceiling is not None:
+        ms["fp8_cublas_tensorwise"] = do_bench(ceiling, rep_ms)
     return _time_row(ms, 2.0 * tokens * n * k, "bf16_cublas") | configs
+
+
+def scaled_mm_ceiling(xq, wq):
+    """cuBLAS's fp8 product of the same operands with one scale per tensor (`torch._scaled_mm`):
+    not the block-scaled function, the rate the tensor cores reach on this shape. None where
+    this torch or GPU has none."""
+    fn = getattr(torch, "_scaled_mm", None)
+    if fn is None:
+        return None
+    one = torch.ones((), device=xq.device)
+
+    def run():
+        return fn(xq, wq.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    try:
+        run()
+    except (RuntimeError, TypeError) as e:
+        print(f"torch._scaled_mm unavailable here: {str(e).splitlines()[0][:200]}", flush=True)
+        return None
+    return run
 
 
 def time_grouped(name, tokens, rep_ms) -> dict:
@@ -230,7 +255,7 @@ def print_table(rows: list[dict]) -> None:
     if times:
         print(
             "\nlayer | tokens | fp8 ms (TFLOP/s) | quant ms | gemm ms | fused ms | bf16 ms "
-            "(TFLOP/s) | fp8 x | fused x"
+            "(TFLOP/s) | fp8 x | fused x | cuBLAS fp8 per-tensor ms (TFLOP/s)"
         )
         for r in times:
             base = _first(r, "ms_bf16_cublas", "ms_bf16_grouped_mm")
@@ -239,7 +264,9 @@ def print_table(rows: list[dict]) -> None:
                 f"{r['layer']} | {r['tokens']} | {r['ms_fp8']:.3f} ({r['tflops_fp8']:.0f}) | "
                 f"{r['ms_fp8_quant']:.3f} | {r['ms_fp8_gemm']:.3f} | {r['ms_fp8_fused']:.3f} | "
                 f"{base:.3f} ({base_tf:.0f}) | {r.get('x_vs_bf16', math.nan):.2f} | "
-                f"{r.get('x_fused_vs_bf16', math.nan):.2f}"
+                f"{r.get('x_fused_vs_bf16', math.nan):.2f} | "
+                f"{_first(r, 'ms_fp8_cublas_tensorwise'):.3f} "
+                f"({_first(r, 'tflops_fp8_cublas_tensorwise'):.0f})"
             )
 
 
