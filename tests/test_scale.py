@@ -116,7 +116,10 @@ def test_scale_report_names_gpu_count_and_visual_share(tmp_path):
         ("ruler_budget", "qwen3_30b_a3b_fp8", "dense"): {"gpus": 1},
         ("videomme", "qwen3_vl_30b_a3b_thinking_fp8", "dense"): {
             "gpus": 1,
-            "context_length": 32768,
+            "context_length": 32768,  # a cap: the prompt is shorter
+            "input_tokens": 12000,
+            "new_tokens": 16,
+            "visual_tokens": 10800,
             "visual_token_share": 0.9,
         },
         ("ruler_budget", "qwen3_30b_a3b_random", "dense"): {},  # older records: no gpus field
@@ -140,5 +143,35 @@ def test_scale_report_names_gpu_count_and_visual_share(tmp_path):
     fp8 /= memory.GiB
     assert rows["qwen3_30b_a3b_fp8"][12] == f"{fp8:.1f}" and rows["qwen3_30b_a3b_fp8"][15] == "1"
     vl = rows["qwen3_vl_30b_a3b_thinking_fp8"]
+    est = memory.estimate_model("qwen3_vl_30b_a3b_thinking_fp8", 12016, visual_tokens=10800)
+    assert vl[12] == f"{est.total / memory.GiB:.1f}"  # at the longest request, not the cap
     assert vl[16] == "90.0" and rows["qwen3_30b_a3b_random"][15] == "1"
     assert rows["qwen3_30b_a3b_random"][16] == "–"
+
+
+def test_checkpoint_ttft_rows_at_full_depth_are_reported(tmp_path):
+    """bench.ttft rows of a checkpoint are named by its model (qwen3_30b_a3b_fp8): at its
+    architecture's full depth they are full-depth rows, beside the FP8 estimate."""
+    from rbs_bench.models import memory, rehearsal
+
+    assert rehearsal.full_depth("qwen3_30b_a3b_fp8") == 48
+    assert rehearsal.full_depth("qwen3_vl_30b_a3b_thinking_fp8") == 48
+    assert rehearsal.full_depth("qwen3_32b") == 64 and rehearsal.full_depth("gpt5") is None
+    res = tmp_path / "results"
+    (res / "speed").mkdir(parents=True)
+    row = {"model": "qwen3_30b_a3b_fp8", "n": 131072, "status": "ok", "batch": 1, "method": "rbs"}
+    row |= {
+        "density": 0.05,
+        "ttft_ms": 3000.0,
+        "peak_allocated_mib": 49000,
+        "ffn_chunk_tokens": 32768,
+    }
+    rows = [row | {"layers": 48}, row | {"layers": 4}]
+    pd.DataFrame(rows).to_csv(res / "speed" / "ttft_nvidia_h100_80gb_hbm3.csv", index=False)
+    (path,) = scale.build(res, tmp_path / "out")
+    ttft = [
+        line for line in path.read_text().splitlines() if line.startswith("| qwen3_30b_a3b_fp8")
+    ]
+    assert len(ttft) == 1 and "| 48 |" in ttft[0]
+    est = memory.estimate_model("qwen3_30b_a3b_fp8", 131072, ffn_chunk_tokens=32768)
+    assert f"| {est.total / memory.GiB:.1f} |" in ttft[0]

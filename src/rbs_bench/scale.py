@@ -63,6 +63,7 @@ def _estimate_gib(
     layers: int | None = None,
     gpus: int = 1,
     chunk: int | None = None,
+    visual_tokens: int | None = None,
 ):
     """The memory estimate in GiB (on the busiest GPU when the layers are spread over `gpus`), or
     None for a model without a shipped architecture. `chunk`: the run's feed-forward token chunk
@@ -71,7 +72,9 @@ def _estimate_gib(
 
     chunk = OLD_FFN_CHUNK if chunk is None or pd.isna(chunk) else int(chunk) or None
     try:
-        e = memory.estimate_model(model, context, batch, layers, ffn_chunk_tokens=chunk)
+        e = memory.estimate_model(
+            model, context, batch, layers, ffn_chunk_tokens=chunk, visual_tokens=visual_tokens
+        )
     except ValueError:  # the embedded tiny model, or a hub model without a shipped config
         return None
     return (e.total if gpus <= 1 else memory.per_gpu(e, gpus)) / memory.GiB
@@ -140,6 +143,13 @@ def run_cells(results: Path) -> pd.DataFrame:
                     "ffn_chunk_tokens": recs[0].get("ffn_chunk_tokens"),
                     # records name their GPU count (older ones only when above one)
                     "gpus": max(int(r.get("gpus") or 1) for r in recs),
+                    # the longest request: its prompt and answer (a video prompt's length is
+                    # known only once its frames are tokenised; context_length caps it)
+                    "tokens": max(
+                        int(r.get("input_tokens") or 0) + int(r.get("new_tokens") or 0)
+                        for r in recs
+                    ),
+                    "visual_tokens": max(int(r.get("visual_tokens") or 0) for r in recs),
                     "visual_share": _mean(recs, "visual_token_share"),
                     "source": str(path),
                 }
@@ -172,9 +182,12 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
     for _, c in cells.iterrows():
         gpus = int(c.get("gpus", 1) or 1)
         est = None
-        if c["context"]:
-            chunk = c.get("ffn_chunk_tokens")
-            est = _estimate_gib(c["model"], int(c["context"]), gpus=gpus, chunk=chunk)
+        tokens = int(c.get("tokens") or 0) or c["context"]
+        if tokens:
+            chunk, visual = c.get("ffn_chunk_tokens"), int(c.get("visual_tokens") or 0)
+            est = _estimate_gib(
+                c["model"], int(tokens), gpus=gpus, chunk=chunk, visual_tokens=visual
+            )
         share = c.get("visual_share", math.nan)
         out.append(
             f"| {c['experiment']} | {c['model']} | {_display(c['method'])} | {c['budget']} | "
@@ -190,7 +203,8 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
         "(up to the task's answer length), both per sample. Peak: torch.cuda.max_memory_allocated "
         "/ max_memory_reserved over the sample, on the busiest GPU. Density: kept causal block "
         "pairs over all causal pairs, per layer and head, pooled over the cell's samples. "
-        "Estimate: `python -m rbs_bench.models.memory` for the model at that context, batch 1 "
+        "Estimate: `python -m rbs_bench.models.memory` for the model at the cell's longest "
+        "request (prompt and answer; the context where records lack it), batch 1 "
         "(weights, FP8 for the *_fp8 models, KV cache, one layer's activations, logits, 1 GiB of "
         "CUDA context), for the busiest GPU where the layers are spread over several (GPUs: how "
         "many held the model); alloc - estimate compares the allocated peak with the estimate "

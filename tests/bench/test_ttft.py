@@ -342,6 +342,15 @@ def test_a_checkpoint_directory_is_timed_through_from_pretrained(tmp_path):
     with torch.inference_mode():
         out = ttft.request(lm, ttft.prompts(s, 256, lm.vocab)[:1])
     assert out["ttft_ms"] > 0
+    # a Qwen3-32B checkpoint (the hub's config: 40,960 positions) gets YaRN to 128K, as runs do
+    (tmp_path / "q32").mkdir()
+    (tmp_path / "q32" / "config.json").write_text(
+        json.dumps(
+            {"model_type": "qwen3", "num_hidden_layers": 64, "max_position_embeddings": 40960}
+        )
+    )
+    q32 = TimingCfg(checkpoint=str(tmp_path / "q32"), model="qwen3_32b", contexts=[131072])
+    assert ttft.resolve(q32, device="cpu", out=tmp_path, progress=False).contexts == [131072]
     bad = TimingCfg(checkpoint=str(tmp_path / "none"), contexts=[256])
     with pytest.raises(UserError, match="cannot read .*config.json"):
         ttft.resolve(bad, device="cpu", out=tmp_path, progress=False)

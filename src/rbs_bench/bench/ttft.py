@@ -192,8 +192,8 @@ def resolve(
     pick = lambda name: defaults[name] if getattr(tc, name) is None else getattr(tc, name)
     checkpoint = Path(tc.checkpoint).expanduser() if tc.checkpoint else None
     if checkpoint is not None:
-        fields = _checkpoint_fields(checkpoint)
         model = tc.model or checkpoint.name
+        fields = _checkpoint_fields(checkpoint) | _context_overrides(model)
         depth, limit = fields["num_hidden_layers"], fields.get("max_position_embeddings", 1 << 30)
         layers = depth if tc.layers is None else tc.layers
         dtype = _checkpoint_dtype(fields)
@@ -287,6 +287,14 @@ def _device_map(tc, checkpoint: Path | None, dev: torch.device) -> str | None:
             "the checkpoint's layers over every visible GPU)"
         )
     return wanted
+
+
+def _context_overrides(model: str) -> dict:
+    """The harness's context overrides (YaRN to 128K for Qwen3-32B) of a checkpoint's model, as
+    its conf/model config gives them to runs (the hub's Qwen3-32B config stops at 40,960)."""
+    from rbs_bench.models.rehearsal import architecture_of
+
+    return dict(ARCH_OVERRIDES.get(architecture_of(model) or "", {}))
 
 
 def _checkpoint_fields(path: Path) -> dict:
@@ -478,7 +486,7 @@ def _load_checkpoint(s: Settings, overrides: dict | None):
     hub id is (FP8 weights through transformers' FP8 integration), onto the run's device."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {"num_hidden_layers": s.layers, **(overrides or {})}
+    fields = {"num_hidden_layers": s.layers, **_context_overrides(s.model), **(overrides or {})}
     config = AutoConfig.from_pretrained(s.checkpoint, **fields)
     if s.dtype == "fp8":  # transformers' FP8 layers: the project's FP8 GEMMs where needed
         from rbs_bench.models import fp8

@@ -194,15 +194,6 @@ def estimate(
     )
 
 
-ARCHITECTURE_OF = {  # conf/model names with a shipped architecture
-    "qwen3_30b_a3b_fp8": "qwen3_30b_a3b",
-    "qwen3_30b_a3b_random": "qwen3_30b_a3b",
-    "qwen3_32b": "qwen3_32b",
-    "qwen3_32b_random": "qwen3_32b",
-    "qwen3_vl_30b_a3b_thinking_fp8": "qwen3_vl_30b_a3b",
-}
-
-
 def is_fp8(name: str) -> bool:
     """Whether model `name` runs from an FP8 checkpoint (the `*_fp8` model configs)."""
     return name.endswith("_fp8")
@@ -214,7 +205,7 @@ def model_config(name: str, layers: int | None = None):
     architecture name; `layers` decoder layers of its language model."""
     from rbs_bench.models import rehearsal
 
-    arch = ARCHITECTURE_OF.get(name, name)
+    arch = rehearsal.ARCHITECTURE_OF.get(name, name)
     overrides = {}
     if layers is not None:
         vl = "text_config" in rehearsal.architecture_fields(arch)
@@ -251,13 +242,17 @@ def estimate_model(
     layers: int | None = None,
     ffn_chunk_tokens: int | None = FFN_CHUNK_TOKENS,
     weight_bytes_per_param: int | None = None,
+    visual_tokens: int | None = None,
 ) -> Estimate:
     """`estimate` for a model name: FP8 weights for the `*_fp8` models (unless
-    `weight_bytes_per_param` is given), and for a VL model the video tokens of a Video-MME sample
-    (at most `context`)."""
+    `weight_bytes_per_param` is given), and for a VL model `visual_tokens` of the context from its
+    vision tower (default: a Video-MME sample's, at most `context`)."""
     config = model_config(name, layers)
     fp8 = is_fp8(name) and weight_bytes_per_param is None
-    visual = min(video_tokens(), context) if _vision(config) is not None else 0
+    if _vision(config) is None:
+        visual = 0
+    else:
+        visual = min(video_tokens() if visual_tokens is None else visual_tokens, context)
     return estimate(
         config, context, batch, weight_bytes_per_param or 2, ffn_chunk_tokens, fp8, visual
     )
@@ -306,9 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--gpus", type=int, default=1)
     ap.add_argument("--gpu-gib", type=float, default=79.0, help="usable memory per GPU (H100: 79)")
-    ap.add_argument(
-        "--ffn-chunk-tokens", type=int, default=FFN_CHUNK_TOKENS, help="0: unchunked"
-    )
+    ap.add_argument("--ffn-chunk-tokens", type=int, default=FFN_CHUNK_TOKENS, help="0: unchunked")
     ap.add_argument(
         "--weight-bytes",
         type=int,

@@ -37,11 +37,30 @@ def architecture_fields(name: str) -> dict:
     return json.loads((ARCHITECTURES / f"{name}.json").read_text())
 
 
+# conf/model names whose architecture is shipped: the rehearsal models and the paper's checkpoints
+ARCHITECTURE_OF = {
+    "qwen3_30b_a3b_fp8": "qwen3_30b_a3b",
+    "qwen3_30b_a3b_random": "qwen3_30b_a3b",
+    "qwen3_32b": "qwen3_32b",
+    "qwen3_32b_random": "qwen3_32b",
+    "qwen3_vl_30b_a3b_thinking_fp8": "qwen3_vl_30b_a3b",
+}
+
+
+def architecture_of(name: str) -> str | None:
+    """The shipped architecture of a model or architecture name; None for any other name."""
+    arch = ARCHITECTURE_OF.get(name, name)
+    return arch if arch in architectures() else None
+
+
 def full_depth(name: str) -> int | None:
-    """Decoder layers of a shipped architecture; None for any other model name."""
-    if name not in architectures():
+    """Decoder layers (of the language model) of a shipped architecture, or of a model name that
+    has one (qwen3_30b_a3b_fp8, ...); None for any other name."""
+    arch = architecture_of(name)
+    if arch is None:
         return None
-    return int(architecture_fields(name)["num_hidden_layers"])
+    fields = architecture_fields(arch)
+    return int(fields.get("text_config", fields)["num_hidden_layers"])
 
 
 def architecture_config(name: str, **overrides):
