@@ -1,9 +1,11 @@
 """The Triton plumbing every kernel module shares: the optional import (the PyTorch references
-need torch only), the interpreter flag (TRITON_INTERPRET=1 runs the kernels on CPU tensors), and
-the one-line launch check."""
+need torch only), the interpreter flag (TRITON_INTERPRET=1 runs the kernels on CPU tensors), the
+one-line launch check, and the architecture whose tuned configurations a launch uses
+(`kernel_arch`, RBS_KERNEL_ARCH)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 from torch import Tensor
@@ -46,3 +48,50 @@ def check_triton_launch(what: str, *tensors: Tensor | None) -> None:
             f"{what} needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is imported "
             f"for CPU tensors; got {device.type} tensors"
         )
+
+
+# The kernels' tuned configurations per GPU architecture; see `kernel_arch`.
+ARCH_ENV = "RBS_KERNEL_ARCH"
+_ARCHS = {"sm80": 80, "sm86": 86, "sm89": 89, "sm90": 90}
+
+
+@functools.cache
+def _capability(index: int) -> int:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
+
+
+def kernel_arch(device=None) -> int:
+    """The architecture whose tuned configurations a kernel launches with, as 10 * major + minor
+    of the compute capability: 90 on an H100 or H200 (TMA descriptors, Hopper-tuned tiles), 80 on
+    an A100 (pointer loads, Ampere-tuned tiles), 0 for CPU tensors (the interpreter).
+
+    RBS_KERNEL_ARCH=sm80 (or sm86, sm89) makes a newer GPU use that older architecture's
+    configurations, so that they can be checked and timed on an H100; it cannot ask for a newer
+    architecture than the GPU's. Unset or `auto`: the GPU's own.
+    """
+    import torch
+
+    device = torch.device(device) if device is not None else None
+    if device is not None and device.type != "cuda":
+        return 0
+    if device is None and not torch.cuda.is_available():
+        return 0
+    index = device.index if device is not None and device.index is not None else None
+    own = _capability(torch.cuda.current_device() if index is None else index)
+    wanted = os.environ.get(ARCH_ENV, "auto").strip().lower()
+    if wanted in ("", "auto"):
+        return own
+    if wanted not in _ARCHS:
+        raise ValueError(
+            f"{ARCH_ENV}={wanted!r} is not one of auto, {', '.join(_ARCHS)}; unset it to use the "
+            f"GPU's own configurations"
+        )
+    if _ARCHS[wanted] > own:
+        raise ValueError(
+            f"{ARCH_ENV}={wanted} asks for a newer architecture than this GPU's (capability "
+            f"{own // 10}.{own % 10}); it can only choose an older one (e.g. sm80), or unset it"
+        )
+    return _ARCHS[wanted]

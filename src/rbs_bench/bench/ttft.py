@@ -488,10 +488,10 @@ def _load_checkpoint(s: Settings, overrides: dict | None):
 
     fields = {"num_hidden_layers": s.layers, **_context_overrides(s.model), **(overrides or {})}
     config = AutoConfig.from_pretrained(s.checkpoint, **fields)
-    if s.dtype == "fp8":  # transformers' FP8 layers run the project's FP8 GEMMs
+    if s.dtype == "fp8":  # transformers' FP8 layers: the project's FP8 GEMMs where needed
         from rbs_bench.models import fp8
 
-        fp8.install_kernels()
+        fp8.prepare(config, s.device)
     device_map = s.device_map or (str(s.device) if s.device.type == "cuda" else None)
     model = AutoModelForCausalLM.from_pretrained(
         s.checkpoint, config=config, dtype="auto", attn_implementation="sdpa",

@@ -65,7 +65,7 @@ def load(model_cfg, device="cpu"):
         AutoTokenizer,
     )
 
-    from rbs_bench.models import checkpoint, hf_attention, vision
+    from rbs_bench.models import checkpoint, fp8, hf_attention, vision
 
     if model_cfg.dtype not in _DTYPES:
         raise ValueError(f"model.dtype={model_cfg.dtype!r} is not one of {', '.join(_DTYPES)}")
@@ -85,6 +85,7 @@ def load(model_cfg, device="cpu"):
     try:
         config = AutoConfig.from_pretrained(source, **extra, **_plain(model_cfg.config_overrides))
         _check_context(model_cfg, config)  # before the (possibly long) weight load
+        fp8.prepare(config, device)  # block-FP8 checkpoints: kernels for transformers' layers
         auto = AutoModelForCausalLM
         if vision.is_vision_language(config):
             vision.check_supported(config)

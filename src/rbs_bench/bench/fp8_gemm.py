@@ -1,0 +1,353 @@
+"""Check and time the block-FP8 linear kernels on the FP8 checkpoints' layer shapes.
+
+    python -m rbs_bench.bench.fp8_gemm --out DIR               # checks, then 8K-128K tokens
+    python -m rbs_bench.bench.fp8_gemm --out DIR --tokens 131072 --time-budget-s 300
+
+Shapes: Qwen3-30B-A3B-Instruct-2507-FP8's layers (the text layers of Qwen3-VL-30B-A3B-Thinking-FP8
+have the same): q 2048 -> 4096, k and v 2048 -> 512, o 4096 -> 2048 (`fp8_linear`, one row per
+token), and the experts' gate_up 2048 -> 1536 and down 768 -> 2048 (`fp8_grouped_linear`, 128
+experts, top-8 routing drawn uniformly per token: 8 rows per token, sorted by expert), weights
+e4m3 with fp32 scales per 128 x 128 block, bf16 activations.
+
+Checks (`kind=check`): each kernel (the default, activations quantised by their own pass, and
+`fused`, quantised inside the product) against `fp8_linear_ref` / `fp8_grouped_linear_ref` on the
+same inputs, on every row at 1, 129 and 4099 tokens and on 2048 sampled rows (the first and last
+included) at the largest token count, per row: ||kernel - ref|| <= 2 ||round(ref) - ref|| +
+0.05 ||ref - exact|| (round: to bf16; exact: the fp64 product of the unquantised activations and
+the dequantised weight), the rule of tests/kernels/test_fp8_gemm.py. `ratio` is the worst row's
+error over its tolerance (a pass is <= 1).
+
+Times (`kind=time`), `triton.testing.do_bench` medians: the FP8 product as a layer calls it
+(quantisation pass + product), the quantisation pass alone, the product alone on quantised
+inputs, the fused kernel; against bf16 cuBLAS (`F.linear` with the dequantised weight) and, for
+the experts, PyTorch's grouped GEMM (`F.grouped_mm` / `torch._grouped_mm`, the weight as
+transformers passes it, a transposed [E, K, N] view) on the same rows; for the plain layers also
+cuBLAS's fp8 product with one scale per tensor (`torch._scaled_mm`, `fp8_cublas_tensorwise`): a
+ceiling for the rate, not the same function. TFLOP/s count 2 M N K.
+
+Rows go to DIR/fp8_gemm_<gpu>.csv as they finish; a rerun skips the rows already there, and
+--time-budget-s stops starting new ones. A failing variant is recorded as a row with its error.
+The summary table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from rbs_bench.kernels import fp8_gemm as fk
+
+LINEAR = {"q": (4096, 2048), "k": (512, 2048), "o": (2048, 4096)}  # name: (N, K); v is k's shape
+EXPERTS = {"gate_up": (1536, 2048), "down": (2048, 768)}
+NUM_EXPERTS, TOP_K, BLOCK = 128, 8, (128, 128)
+CHECK_TOKENS = (1, 129, 4099)
+SAMPLE_ROWS = 2048
+DEVICE = "cuda"
+
+
+def quantized_weight(shape, seed, device=None):
+    """(e4m3 weight, fp32 scales per 128 x 128 block) of a random weight [..., N, K]."""
+    device = device or DEVICE
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(*shape, generator=gen, device=device) * 0.02
+    *lead, n, k = shape
+    blocks = w.reshape(*lead, n // 128, 128, k // 128, 128)
+    s = blocks.abs().amax((-3, -1)).clamp_min(1e-12) / fk.FP8_MAX
+    q = (blocks / s[..., :, None, :, None]).clamp(-fk.FP8_MAX, fk.FP8_MAX).to(fk.FP8_DTYPE)
+    return q.reshape(shape), s.float()
+
+
+def activations(rows, k, seed, device=None):
+    device = device or DEVICE
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen, device=device)
+    x[:, :: max(1, k // 16)] *= 8  # outlier channels, as real activations have
+    return x.to(torch.bfloat16)
+
+
+def routed_offsets(tokens, seed, device=None):
+    """int32 cumulative row ends [E] of `tokens` tokens routed top-8 of 128 uniformly."""
+    device = device or DEVICE
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.rand(tokens, NUM_EXPERTS, generator=gen, device=device).topk(TOP_K).indices
+    counts = torch.bincount(ids.flatten(), minlength=NUM_EXPERTS)
+    return counts.cumsum(0).to(torch.int32)
+
+
+def row_errors(got, ref32, exact) -> float:
+    """Worst per-row error over its tolerance (<= 1 passes)."""
+    ref, ex = ref32.double(), exact.double()
+    err = (got.double() - ref).norm(dim=-1)
+    rounding = (ref32.to(got.dtype).double() - ref).norm(dim=-1)
+    tol = 2 * rounding + 0.05 * (ref - ex).norm(dim=-1) + 1e-30
+    return float((err / tol).max())
+
+
+def sample_rows(rows: int, seed: int, device=None) -> torch.Tensor:
+    device = device or DEVICE
+    if rows <= SAMPLE_ROWS:
+        return torch.arange(rows, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    pick = torch.randperm(rows, generator=gen, device=device)[: SAMPLE_ROWS - 2]
+    ends = torch.tensor([0, rows - 1], device=device)
+    return torch.cat([ends, pick]).unique()
+
+
+def check_linear(name, tokens, variant) -> dict:
+    n, k = LINEAR[name]
+    wq, s = quantized_weight((n, k), seed=n + k)
+    x = activations(tokens, k, seed=tokens)
+    got = fk._launch(x, wq, s, BLOCK, fused=variant == "fused")
+    rows = sample_rows(tokens, seed=1)
+    ref = fk.fp8_linear_ref(x[rows], wq, s, BLOCK, out_dtype=torch.float32)
+    exact = x[rows].double() @ fk.dequantize_weight_ref(wq, s, BLOCK).double().T
+    return {"ratio": row_errors(got[rows], ref, exact), "rows_checked": int(rows.numel())}
+
+
+def check_grouped(name, tokens, variant) -> dict:
+    n, k = EXPERTS[name]
+    wq, s = quantized_weight((NUM_EXPERTS, n, k), seed=n + k)
+    offsets = routed_offsets(tokens, seed=tokens)
+    x = activations(tokens * TOP_K, k, seed=tokens)
+    got = fk._launch(x, wq, s, BLOCK, offsets, fused=variant == "fused")
+    rows = sample_rows(x.shape[0], seed=2)
+    ids = torch.searchsorted(offsets, rows.to(torch.int32), right=True)
+    ref = fk.fp8_batched_linear_ref(x[rows].float(), wq, s, ids, BLOCK)
+    exact = torch.zeros(rows.numel(), n, dtype=torch.float64, device=x.device)
+    for e in ids.unique().tolist():
+        sel = ids == e
+        w = fk.dequantize_weight_ref(wq[e], s[e], BLOCK).double()
+        exact[sel] = x[rows][sel].double() @ w.T
+    return {"ratio": row_errors(got[rows], ref, exact), "rows_checked": int(rows.numel())}
+
+
+def do_bench(fn, rep_ms: int) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+
+
+def grouped_mm():
+    """PyTorch's bf16 grouped GEMM (F.grouped_mm from torch 2.10, else torch._grouped_mm)."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def bench_tuned(fn, rep_ms: int) -> tuple[float, str]:
+    """(median ms, the autotuner's configuration for this call's shape)."""
+    fn()  # tunes on the first call of a shape
+    tuned = fk._tuned_gemm(fk.tuning_space(torch.device(DEVICE)), 128)
+    return do_bench(fn, rep_ms), str(getattr(tuned, "best_config", ""))
+
+
+def time_linear(name, tokens, rep_ms) -> dict:
+    n, k = LINEAR[name]
+    wq, s = quantized_weight((n, k), seed=n + k)
+    x = activations(tokens, k, seed=tokens)
+    w_bf16 = fk.dequantize_weight_ref(wq, s, BLOCK).to(torch.bfloat16)
+    quantized = fk.fp8_act_quant(x, 128)
+    ms, configs = {}, {}
+    ms["fp8"], configs["config"] = bench_tuned(lambda: fk.fp8_linear(x, wq, s, BLOCK), rep_ms)
+    ms["fp8_quant"] = do_bench(lambda: fk.fp8_act_quant(x, 128), rep_ms)
+    ms["fp8_gemm"] = do_bench(lambda: fk._launch(x, wq, s, BLOCK, quantized=quantized), rep_ms)
+    ms["fp8_fused"], configs["config_fused"] = bench_tuned(
+        lambda: fk._launch(x, wq, s, BLOCK, fused=True), rep_ms
+    )
+    ms["bf16_cublas"] = do_bench(lambda: F.linear(x, w_bf16), rep_ms)
+    ceiling = scaled_mm_ceiling(quantized[0], wq)
+    if ceiling is not None:
+        ms["fp8_cublas_tensorwise"] = do_bench(ceiling, rep_ms)
+    return _time_row(ms, 2.0 * tokens * n * k, "bf16_cublas") | configs
+
+
+def scaled_mm_ceiling(xq, wq):
+    """cuBLAS's fp8 product of the same operands with one scale per tensor (`torch._scaled_mm`):
+    not the block-scaled function, the rate the tensor cores reach on this shape. None where
+    this torch or GPU has none."""
+    fn = getattr(torch, "_scaled_mm", None)
+    if fn is None:
+        return None
+    one = torch.ones((), device=xq.device)
+
+    def run():
+        return fn(xq, wq.T, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    try:
+        run()
+    except (RuntimeError, TypeError) as e:
+        print(f"torch._scaled_mm unavailable here: {str(e).splitlines()[0][:200]}", flush=True)
+        return None
+    return run
+
+
+def time_grouped(name, tokens, rep_ms) -> dict:
+    n, k = EXPERTS[name]
+    wq, s = quantized_weight((NUM_EXPERTS, n, k), seed=n + k)
+    offsets = routed_offsets(tokens, seed=tokens)
+    x = activations(tokens * TOP_K, k, seed=tokens)
+    quantized = fk.fp8_act_quant(x, 128)
+    ms, configs = {}, {}
+    ms["fp8"], configs["config"] = bench_tuned(
+        lambda: fk.fp8_grouped_linear(x, wq, s, offsets, BLOCK), rep_ms
+    )
+    ms["fp8_quant"] = do_bench(lambda: fk.fp8_act_quant(x, 128), rep_ms)
+    ms["fp8_gemm"] = do_bench(
+        lambda: fk._launch(x, wq, s, BLOCK, offsets, quantized=quantized), rep_ms
+    )
+    ms["fp8_fused"], configs["config_fused"] = bench_tuned(
+        lambda: fk._launch(x, wq, s, BLOCK, offsets, fused=True), rep_ms
+    )
+    gmm = grouped_mm()
+    if gmm is not None:
+        w_t = fk.dequantize_weight_ref(wq, s, BLOCK).to(torch.bfloat16).transpose(-2, -1)
+        ms["bf16_grouped_mm"] = do_bench(lambda: gmm(x, w_t, offs=offsets), rep_ms)
+    base = "bf16_grouped_mm" if gmm is not None else None
+    return _time_row(ms, 2.0 * x.shape[0] * n * k, base) | configs
+
+
+def _time_row(ms: dict, flops: float, baseline: str | None) -> dict:
+    row = {f"ms_{key}": v for key, v in ms.items()}
+    row |= {f"tflops_{key}": flops / v / 1e9 for key, v in ms.items()}
+    if baseline is not None:
+        row["x_vs_bf16"] = ms[baseline] / ms["fp8"]
+        row["x_fused_vs_bf16"] = ms[baseline] / ms["fp8_fused"]
+    return row
+
+
+def plan(tokens: list[int]) -> list[tuple]:
+    """(row id, kind, layer, tokens, variant) in the order they run: checks, then times."""
+    rows = []
+    for layer in (*LINEAR, *EXPERTS):
+        for t in (*CHECK_TOKENS, max(tokens)):
+            for variant in ("default", "fused"):
+                rows.append((f"check-{layer}-{t}-{variant}", "check", layer, t, variant))
+    for t in tokens:
+        for layer in (*LINEAR, *EXPERTS):
+            rows.append((f"time-{layer}-{t}", "time", layer, t, ""))
+    return rows
+
+
+def run_row(kind, layer, tokens, variant, rep_ms) -> dict:
+    grouped = layer in EXPERTS
+    if kind == "check":
+        res = (check_grouped if grouped else check_linear)(layer, tokens, variant)
+        return res | {"check": "PASS" if res["ratio"] <= 1.0 else "FAIL"}
+    return (time_grouped if grouped else time_linear)(layer, tokens, rep_ms)
+
+
+def print_table(rows: list[dict]) -> None:
+    checks = [r for r in rows if r["kind"] == "check"]
+    if checks:
+        passed = sum(r.get("check") == "PASS" for r in checks)
+        worst = max((r["ratio"] for r in checks if r.get("check") == "PASS"), default=math.nan)
+        print(f"\nchecks: {passed} of {len(checks)} pass (worst passing ratio {worst:.3g})")
+    for r in rows:
+        if r.get("check") in ("FAIL", "ERROR"):
+            print(f"  {r['row']}: {r['check']} {r.get('error') or ''} ratio={r.get('ratio')}")
+    times = [r for r in rows if r["kind"] == "time" and r.get("check") != "ERROR"]
+    if times:
+        print(
+            "\nlayer | tokens | fp8 ms (TFLOP/s) | quant ms | gemm ms | fused ms | bf16 ms "
+            "(TFLOP/s) | fp8 x | fused x | cuBLAS fp8 per-tensor ms (TFLOP/s)"
+        )
+        for r in times:
+            base = _first(r, "ms_bf16_cublas", "ms_bf16_grouped_mm")
+            base_tf = _first(r, "tflops_bf16_cublas", "tflops_bf16_grouped_mm")
+            print(
+                f"{r['layer']} | {r['tokens']} | {r['ms_fp8']:.3f} ({r['tflops_fp8']:.0f}) | "
+                f"{r['ms_fp8_quant']:.3f} | {r['ms_fp8_gemm']:.3f} | {r['ms_fp8_fused']:.3f} | "
+                f"{base:.3f} ({base_tf:.0f}) | {r.get('x_vs_bf16', math.nan):.2f} | "
+                f"{r.get('x_fused_vs_bf16', math.nan):.2f} | "
+                f"{_first(r, 'ms_fp8_cublas_tensorwise'):.3f} "
+                f"({_first(r, 'tflops_fp8_cublas_tensorwise'):.0f})"
+            )
+
+
+def _first(row: dict, *keys) -> float:
+    """The first of `keys` that holds a number in a row (a CSV row read back has NaN holes)."""
+    for key in keys:
+        v = row.get(key)
+        if isinstance(v, (int, float)) and not math.isnan(v):
+            return float(v)
+    return math.nan
+
+
+def fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def environment() -> dict:
+    import triton
+
+    from rbs_bench.kernels.triton_util import kernel_arch
+
+    return dict(
+        gpu=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
+        arch=kernel_arch(), torch=torch.__version__, triton=triton.__version__,
+        cuda=torch.version.cuda,
+    )  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("results/speed"))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time per timing")
+    ap.add_argument("--time-budget-s", type=float, default=540.0, help="start no row after this")
+    ap.add_argument("--no-checks", action="store_true", help="times only")
+    args = ap.parse_args(argv)
+    if not fp8_gpu():
+        print(
+            "rbs-bench: error: the FP8 kernels need a CUDA GPU with fp8 tensor cores "
+            "(capability 8.9 or newer)",
+            file=sys.stderr,
+        )
+        return 2
+    import pandas as pd
+
+    from rbs_bench.bench.attention import gpu_tag
+
+    start = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    csv = args.out / f"fp8_gemm_{gpu_tag()}.csv"
+    rows = pd.read_csv(csv).to_dict("records") if csv.exists() else []
+    rows = [r for r in rows if not isinstance(r.get("error"), str)]  # failed rows run again
+    done = {r["row"] for r in rows}
+    env = environment()
+    (args.out / "fp8_gemm_env.json").write_text(json.dumps(env, indent=1))
+    print(env, flush=True)
+
+    for row_id, kind, layer, tokens, variant in plan(args.tokens):
+        if row_id in done or (kind == "check" and args.no_checks):
+            continue
+        if time.monotonic() - start > args.time_budget_s:
+            print(f"time budget spent; rerun to continue ({csv})", flush=True)
+            break
+        row = {"row": row_id, "kind": kind, "layer": layer, "tokens": tokens, "variant": variant}
+        try:
+            row |= run_row(kind, layer, tokens, variant, args.rep_ms)
+        except Exception as e:  # recorded, not fatal: the next rows still run
+            first = str(e).splitlines()[0][:300] if str(e) else ""
+            row |= {"check": "ERROR", "error": f"{type(e).__name__}: {first}"}
+            traceback.print_exc()
+        row["gpu"] = env["gpu"]
+        rows.append(row)
+        pd.DataFrame(rows).to_csv(csv, index=False)
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}
+        print(shown, flush=True)
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    print_table(rows)
+    print(f"wrote {csv}")
+    return 1 if any(r.get("check") in ("FAIL", "ERROR") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

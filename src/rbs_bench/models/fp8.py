@@ -1,0 +1,176 @@
+"""Block-FP8 checkpoints through transformers' FP8 integration, without the hub kernel.
+
+transformers 5.x loads a checkpoint whose config says `quant_method: fp8` into FP8Linear and
+FP8Experts layers, and runs every one of them through the three entry points of the hub kernel
+`kernels-community/finegrained-fp8` (`matmul`, `batched_matmul`, `grouped_matmul`), which
+`load_finegrained_fp8_kernel` fetches on first use into the module global
+`transformers.integrations.finegrained_fp8._FINEGRAINED_FP8`. On a node without network access or
+without the `kernels` package that fetch fails and the first FP8 layer raises. `install` puts this
+harness's Triton kernels (`rbs_bench.kernels.fp8_gemm`) into that global instead, with the hub
+kernel's call signatures, where the hub kernel cannot be loaded; it is idempotent, and a no-op on
+a CPU and on GPUs older than capability 8.9, where transformers dequantises FP8 weights to bf16
+at load time. transformers' DeepGEMM path is then switched off for linear layers
+(TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR=1, unless set): it needs the hub too; its experts path runs
+only when asked for (`experts_implementation="deepgemm"`).
+
+`rbs_bench.models.load` calls `prepare(config, device)` before `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+__all__ = ["entry_points", "install", "is_fp8", "prepare"]
+
+ENTRY_POINTS = ("matmul", "batched_matmul", "grouped_matmul")
+_REQUIRED = ("_FINEGRAINED_FP8", "FineGrainedFP8", "load_finegrained_fp8_kernel")
+
+
+def is_fp8(config) -> bool:
+    """True when a model config carries a block-FP8 quantisation config (quant_method fp8), on
+    itself or on its text config."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        qc = getattr(cfg, "quantization_config", None)
+        if qc is None:
+            continue
+        method = (
+            qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        )
+        if str(getattr(method, "value", method)).lower() == "fp8":
+            return True
+    return False
+
+
+def _weights(weight_scale_inv, weight):
+    import torch
+
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"rbs_bench's FP8 kernels take float8_e4m3fn weights; got {weight.dtype} (FP4-packed "
+            "weights need transformers' hub kernel)"
+        )
+    if weight_scale_inv.dtype != torch.float32:  # ue8m0 scales: powers of two, exact in fp32
+        weight_scale_inv = weight_scale_inv.float()
+    return weight_scale_inv
+
+
+def _blocks(block_size):
+    return None if block_size is None else (int(block_size[0]), int(block_size[1]))
+
+
+def entry_points(backend: str = "triton") -> dict:
+    """{matmul, batched_matmul, grouped_matmul} with the hub kernel's signatures, computed by the
+    Triton kernels ("triton") or their PyTorch references ("reference", for tests on a CPU)."""
+    from rbs_bench.kernels import fp8_gemm as k
+
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"backend must be triton or reference; got {backend!r}")
+    ref = backend == "reference"
+    linear = k.fp8_linear_ref if ref else k.fp8_linear
+    grouped = k.fp8_grouped_linear_ref if ref else k.fp8_grouped_linear
+    batched = k.fp8_batched_linear_ref if ref else k.fp8_batched_linear
+
+    def matmul(
+        input, weight, weight_scale_inv, block_size=None, output_dtype=None, activation_scale=None
+    ):
+        """input [..., K] @ the FP8 weight [N, K] -> [..., N] in output_dtype (input's)."""
+        scales = _weights(weight_scale_inv, weight)
+        return linear(input, weight, scales, _blocks(block_size), activation_scale, output_dtype)
+
+    def batched_matmul(input, weight, weight_scale_inv, block_size=None, expert_ids=None):
+        """input [S, K], one expert id per row -> [S, N]; rows of no local expert are zeros."""
+        scales = _weights(weight_scale_inv, weight)
+        return batched(input, weight, scales, expert_ids, _blocks(block_size))
+
+    def grouped_matmul(
+        input, weight, weight_scale_inv, offsets=None, tokens_per_expert=None, block_size=None
+    ):
+        """input [S, K] sorted by expert, offsets [E] cumulative row ends -> [S, N] (the counts
+        are read from offsets; tokens_per_expert is accepted and not needed)."""
+        scales = _weights(weight_scale_inv, weight)
+        return grouped(input, weight, scales, offsets, _blocks(block_size))
+
+    return {"matmul": matmul, "batched_matmul": batched_matmul, "grouped_matmul": grouped_matmul}
+
+
+def _fp8_gpus(device) -> bool:
+    """True when `device` (or, for None or device_map=auto, every visible GPU) has fp8 tensor
+    cores (capability 8.9 or newer)."""
+    import torch
+
+    if device is not None and torch.device(device).type != "cuda":
+        return False
+    if not torch.cuda.is_available():
+        return False
+    dev = torch.device(device) if device is not None else None
+    indices = [dev.index] if dev is not None and dev.index is not None else None
+    indices = indices or range(torch.cuda.device_count())
+    return all(torch.cuda.get_device_capability(i) >= (8, 9) for i in indices)
+
+
+def _hub_loadable(fg) -> bool:
+    """Try transformers' own loader once; False (and nothing installed) when it fails."""
+    try:
+        from transformers.utils.import_utils import is_kernels_available
+
+        if not is_kernels_available():
+            return False
+        fg.load_finegrained_fp8_kernel()
+    except Exception:  # no network, no build for this torch/CUDA, missing symbols
+        return False
+    return fg._FINEGRAINED_FP8 is not None
+
+
+def install(device=None, force: bool = False, backend: str = "triton") -> str:
+    """Make transformers' FP8 layers runnable here; returns what they will run:
+
+    "hub"        transformers' own hub kernel loads (nothing installed);
+    "rbs_bench"  this harness's kernels are installed (now or by an earlier call);
+    "none"       a CPU or a GPU older than capability 8.9: transformers dequantises at load;
+    "unknown"    the installed transformers has no FP8 integration of the shape known here
+                 (one line on stderr says so; its FP8 layers run as that version decides).
+
+    force: install even on a CPU and without trying the hub (tests; `backend` "reference" runs
+    the PyTorch references there).
+    """
+    if not force and not _fp8_gpus(device):
+        return "none"
+    try:
+        from transformers import __version__
+        from transformers.integrations import finegrained_fp8 as fg
+    except ImportError:
+        fg, __version__ = None, "?"
+    fields = {f.name for f in dataclasses.fields(fg.FineGrainedFP8)} if _known(fg) else set()
+    if not set(ENTRY_POINTS) <= fields:
+        print(
+            f"rbs-bench: transformers {__version__} has no FP8 integration of the shape rbs_bench "
+            f"knows (transformers.integrations.finegrained_fp8 with {', '.join(_REQUIRED)} and "
+            f"entry points {', '.join(ENTRY_POINTS)}); its FP8 layers run as it decides",
+            file=sys.stderr,
+        )
+        return "unknown"
+    current = fg._FINEGRAINED_FP8
+    if current is not None:
+        return "rbs_bench" if getattr(current.matmul, "__module__", "") == __name__ else "hub"
+    if not force and _hub_loadable(fg):
+        return "hub"
+    fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**entry_points(backend))
+    os.environ.setdefault("TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR", "1")
+    print(
+        "rbs-bench: FP8 layers run rbs_bench's Triton kernels (rbs_bench.kernels.fp8_gemm): "
+        "transformers' hub kernel kernels-community/finegrained-fp8 is not loadable here",
+        file=sys.stderr,
+    )
+    return "rbs_bench"
+
+
+def _known(fg) -> bool:
+    return fg is not None and all(hasattr(fg, name) for name in _REQUIRED)
+
+
+def prepare(config, device=None) -> str | None:
+    """The call `rbs_bench.models.load` makes before `from_pretrained`: `install` for a block-FP8
+    config, None for any other."""
+    return install(device) if is_fp8(config) else None

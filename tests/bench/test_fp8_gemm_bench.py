@@ -1,0 +1,106 @@
+"""The FP8 GEMM benchmark's plumbing on the CPU: the check rule, the row plan, resuming, a
+failing variant recorded as a row, the summary. The kernels are stood in for by their PyTorch
+references (the kernels themselves are checked in tests/kernels/test_fp8_gemm.py)."""
+
+from __future__ import annotations
+
+import types
+
+import pandas as pd
+import pytest
+import torch
+from rbs_bench.kernels import fp8_gemm as fk
+
+from rbs_bench.bench import fp8_gemm as bench
+
+
+def reference_kernels(broken: str | None = None):
+    """A stand-in for `rbs_bench.kernels.fp8_gemm` whose products are the references;
+    `broken` ("grouped") scales the grouped product by 1.01."""
+
+    def launch(x, w, s, block, offsets=None, fused=False, quantized=None):
+        if offsets is None:
+            return fk.fp8_linear_ref(x, w, s, block)
+        y = fk.fp8_grouped_linear_ref(x, w, s, offsets, block)
+        return y * 1.01 if broken == "grouped" else y
+
+    ns = types.SimpleNamespace(**{k: getattr(fk, k) for k in dir(fk) if not k.startswith("__")})
+    ns._launch = launch
+    ns.fp8_linear = lambda x, w, s, block: launch(x, w, s, block)
+    ns.fp8_grouped_linear = lambda x, w, s, offsets, block: launch(x, w, s, block, offsets)
+    ns.fp8_act_quant = lambda x, group: fk.act_quant_ref(x, group)
+    ns._tuned_gemm = lambda space, block_k: types.SimpleNamespace(best_config="BLOCK_M: 64")
+    ns.tuning_space = lambda device: ()
+    return ns
+
+
+@pytest.fixture
+def small(monkeypatch):
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "LINEAR", {"q": (256, 128)})
+    monkeypatch.setattr(bench, "EXPERTS", {"down": (128, 256)})
+    monkeypatch.setattr(bench, "NUM_EXPERTS", 8)
+    monkeypatch.setattr(bench, "TOP_K", 2)
+    monkeypatch.setattr(bench, "CHECK_TOKENS", (1, 13))
+    monkeypatch.setattr(bench, "SAMPLE_ROWS", 16)
+    monkeypatch.setattr(bench, "fp8_gpu", lambda: True)
+    monkeypatch.setattr(bench, "environment", lambda: {"gpu": "cpu-test"})
+    monkeypatch.setattr(bench, "do_bench", lambda fn, rep_ms: 1.0)
+    monkeypatch.setattr(bench, "grouped_mm", lambda: None)
+    monkeypatch.setattr("rbs_bench.bench.attention.gpu_tag", lambda: "cpu_test")
+    monkeypatch.setattr(bench, "fk", reference_kernels())
+    return monkeypatch
+
+
+def test_row_errors_rule():
+    ref = torch.randn(4, 64)
+    exact = ref + 0.01 * torch.randn(4, 64)
+    assert bench.row_errors(ref.to(torch.bfloat16), ref, exact) <= 0.5
+    wrong = (ref * 1.05).to(torch.bfloat16)
+    assert bench.row_errors(wrong, ref, exact) > 1
+
+
+def test_runs_resumes_and_records_a_failing_variant(small, tmp_path, capsys):
+    argv = ["--out", str(tmp_path), "--tokens", "40", "--rep-ms", "1"]
+    small.setattr(bench, "fk", reference_kernels(broken="grouped"))
+    assert bench.main(argv) == 1  # the grouped checks fail
+    csv = tmp_path / "fp8_gemm_cpu_test.csv"
+    df = pd.read_csv(csv)
+    plan = [r[0] for r in bench.plan([40])]
+    assert list(df["row"]) == plan
+    checks = df[df["kind"] == "check"].set_index("row")["check"]
+    assert set(checks[[r for r in plan if "check-q" in r]]) == {"PASS"}
+    assert set(checks[[r for r in plan if "check-down" in r]]) == {"FAIL"}
+    times = df[df["kind"] == "time"]
+    assert (times["tflops_fp8"] > 0).all() and times["config"].notna().all()
+    out = capsys.readouterr().out
+    assert "checks: 6 of 12 pass" in out and "layer | tokens" in out
+
+    small.setattr(bench, "fk", reference_kernels())
+    assert bench.main(argv) == 1  # failed checks are kept, not rerun
+    assert len(pd.read_csv(csv)) == len(plan)
+
+
+def test_an_error_is_a_row_and_runs_again(small, tmp_path):
+    def boom(*args, **kw):
+        raise RuntimeError("no kernel for this GPU\nsecond line")
+
+    ref = reference_kernels()
+    ref.fp8_linear = boom
+    small.setattr(bench, "fk", ref)
+    argv = ["--out", str(tmp_path), "--tokens", "40", "--no-checks"]
+    assert bench.main(argv) == 1
+    df = pd.read_csv(tmp_path / "fp8_gemm_cpu_test.csv")
+    row = df[df["row"] == "time-q-40"].iloc[0]
+    assert row["check"] == "ERROR" and row["error"] == "RuntimeError: no kernel for this GPU"
+    assert df[df["row"] == "time-down-40"]["ms_fp8"].notna().all()
+    small.setattr(bench, "fk", reference_kernels())
+    assert bench.main(argv) == 0  # the failed row ran again and now passes
+    df = pd.read_csv(tmp_path / "fp8_gemm_cpu_test.csv")
+    assert len(df) == 2 and ("error" not in df or df["error"].isna().all())
+
+
+def test_needs_an_fp8_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(bench, "fp8_gpu", lambda: False)
+    assert bench.main(["--out", "/nonexistent"]) == 2
+    assert capsys.readouterr().err.startswith("rbs-bench: error:")

@@ -1,0 +1,447 @@
+"""Block-FP8 linear layers: the references against an independent fp64 computation, the Triton
+kernels against the references.
+
+The references are checked on the CPU against a computation written here block by block and
+row by row (explicit loops over weight blocks and activation groups, fp64 products), and against
+the quantisation's own error bound. The kernel tests run on a CUDA GPU with fp8 tensor cores
+(capability 8.9 or newer), or on the CPU in a fresh Python with TRITON_INTERPRET=1
+(`test_interpreter_suite`, fp32/fp16 inputs, small shapes). Triton's interpreter multiplies e4m3
+tiles exactly but rounds fp32 -> e4m3 casts with ties away from zero and without carrying into the
+exponent; the kernels therefore round to the e4m3 grid themselves when interpreted
+(`_e4m3_rne`), which `test_e4m3_rounding_matches_torch` checks value by value against torch's
+cast (the GPU's own cast rounds to nearest even, as torch's does).
+
+Tolerance: the kernel must be far closer to the reference than the reference is to the
+unquantised product: per row, ||kernel - ref|| <= 2 ||round(ref) - ref|| + 0.05 ||ref - truth||,
+with round() the output dtype's rounding of the fp32 reference and truth the fp64 product of the
+unquantised activations and the dequantised weight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import interpreter_suite
+import pytest
+import torch
+from interpreter_suite import CUDA, DEVICE, kernel_test
+from rbs_bench.kernels import fp8_gemm
+from rbs_bench.kernels.fp8_gemm import (
+    FP8_DTYPE,
+    act_quant_ref,
+    dequantize_weight_ref,
+    fp8_act_quant,
+    fp8_batched_linear,
+    fp8_batched_linear_ref,
+    fp8_grouped_linear,
+    fp8_grouped_linear_ref,
+    fp8_linear,
+    fp8_linear_ref,
+)
+from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+
+FP8_GPU = CUDA and torch.cuda.get_device_capability() >= (8, 9)
+fp8_kernel_test = pytest.mark.skipif(
+    DEVICE == "cuda" and not FP8_GPU, reason="fp8 tensor cores need capability 8.9 or newer"
+)
+
+
+def quantized_weight(shape, block, seed=0, device="cpu"):
+    """(e4m3 weight [..., N, K], fp32 scales per block) of a random weight, quantised per block
+    as checkpoints are (block max -> 448)."""
+    gen = torch.Generator().manual_seed(seed)
+    *lead, n, k = shape
+    w = torch.randn(*shape, generator=gen) * 0.05
+    w[..., : n // 3, :] *= 8  # blocks with different ranges
+    bn, bk = block
+    nb, kb = math.ceil(n / bn), math.ceil(k / bk)
+    pad = torch.nn.functional.pad(w, (0, kb * bk - k, 0, nb * bn - n))
+    amax = pad.abs().reshape(*lead, nb, bn, kb, bk).amax((-3, -1))
+    s = amax.clamp_min(1e-12) / 448.0
+    full = s.repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
+    wq = (w / full).clamp(-448, 448).to(FP8_DTYPE)
+    return wq.to(device), s.float().to(device)
+
+
+def activations(m, k, seed=1, dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    if m > 2:
+        x[1] *= 50  # a row with a large range, one with a tiny one
+        x[2] *= 1e-3
+    if k > 5:
+        x[:, 5] *= 20  # an outlier channel, as activations have
+    return x.to(device, dtype)
+
+
+# ---------------------------------------------------------------- references (CPU, independent)
+
+
+def loop_linear(x, wq, s, block, act_scale=None):
+    """fp64 y = dequant(x) @ dequant(W).T, one weight block and one activation group at a time."""
+    m, k = x.shape
+    n = wq.shape[0]
+    bn, bk = block if block is not None else (n, k)
+    group = bk if block is not None else 128
+    w = torch.zeros(n, k, dtype=torch.float64)
+    for i in range(math.ceil(n / bn)):
+        for j in range(math.ceil(k / bk)):
+            rows, cols = slice(i * bn, (i + 1) * bn), slice(j * bk, (j + 1) * bk)
+            scale = float(s.reshape(-1)[0]) if block is None else float(s[i, j])
+            w[rows, cols] = wq[rows, cols].double() * scale
+    xd = torch.zeros(m, k, dtype=torch.float64)
+    for r in range(m):
+        for g in range(math.ceil(k / group)):
+            cols = slice(g * group, (g + 1) * group)
+            v = x[r, cols].float()
+            if act_scale is None:
+                scale = max(float(v.abs().max()), 1e-10) / 448.0
+            else:
+                scale = float(act_scale)
+            q = torch.clamp(v / scale, -448, 448).to(FP8_DTYPE)
+            xd[r, cols] = q.double() * scale
+    return xd @ w.T
+
+
+@pytest.mark.parametrize(
+    "m, n, k, block",
+    [(1, 16, 128, (128, 128)), (7, 300, 384, (128, 128)), (5, 130, 200, (128, 128)),
+     (9, 96, 256, (32, 64)), (4, 40, 300, None)],
+)  # fmt: skip
+def test_reference_matches_blockwise_loops(m, n, k, block):
+    wq, s = quantized_weight((n, k), block or (n, k), seed=n)
+    if block is None:
+        s = s.reshape(())
+    x = activations(m, k, seed=k)
+    ref = fp8_linear_ref(x, wq, s, block, out_dtype=torch.float32)
+    want = loop_linear(x, wq, s, block)
+    torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_reference_static_activation_scale():
+    wq, s = quantized_weight((64, 256), (128, 128))
+    x = activations(6, 256)
+    scale = torch.tensor(0.05)
+    ref = fp8_linear_ref(x, wq, s, (128, 128), activation_scale=scale, out_dtype=torch.float32)
+    want = loop_linear(x, wq, s, (128, 128), act_scale=0.05)
+    torch.testing.assert_close(ref.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_reference_exact_on_the_grid():
+    """Activations that are e4m3 values times a per-group scale whose group maximum is 448 times
+    it quantise losslessly: the reference is then the exact product (to fp32 rounding)."""
+    gen = torch.Generator().manual_seed(3)
+    m, k = 5, 256
+    grid = torch.randint(0, 256, (m, k), generator=gen, dtype=torch.uint8).view(FP8_DTYPE)
+    grid = grid.float().nan_to_num(0.0)
+    grid[:, ::128] = 448.0  # each group's maximum
+    scales = torch.rand(m, 2, generator=gen) * 0.1 + 0.01
+    x = grid * scales.repeat_interleave(128, 1)
+    q, s = act_quant_ref(x, 128)
+    torch.testing.assert_close(s, scales, rtol=1e-6, atol=0)
+    assert torch.equal(q.float(), grid)
+    wq, ws = quantized_weight((48, k), (128, 128))
+    exact = x.double() @ dequantize_weight_ref(wq, ws, (128, 128)).double().T
+    got = fp8_linear_ref(x, wq, ws, (128, 128), out_dtype=torch.float32)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max())
+
+
+def test_reference_error_within_the_e4m3_bound():
+    """|ref - unquantised| <= 2^-4 (|x| @ |W|^T): e4m3 keeps 3 fraction bits (half an ulp is at
+    most 2^-4 relative), and only the activations are quantised against the dequantised W."""
+    wq, s = quantized_weight((200, 384), (128, 128))
+    x = activations(50, 384)
+    w = dequantize_weight_ref(wq, s, (128, 128)).double()
+    truth = x.double() @ w.T
+    bound = 2.0**-4 * (x.double().abs() @ w.abs().T)
+    err = (fp8_linear_ref(x, wq, s, (128, 128), out_dtype=torch.float32).double() - truth).abs()
+    assert bool((err <= bound + 1e-6).all()), float((err - bound).max())
+
+
+def test_grouped_and_batched_references_match_the_linear_one():
+    e, n, k = 5, 96, 256
+    wq, s = quantized_weight((e, n, k), (128, 128))
+    counts = [3, 0, 7, 0, 4]  # empty experts, then 2 rows past the last expert
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = activations(sum(counts) + 2, k, dtype=torch.float16)
+    got = fp8_grouped_linear_ref(x, wq, s, offsets, (128, 128))
+    start = 0
+    for i, c in enumerate(counts):
+        want = fp8_linear_ref(x[start : start + c], wq[i], s[i], (128, 128))
+        assert torch.equal(got[start : start + c], want)
+        start += c
+    assert bool((got[start:] == 0).all())
+    ids = torch.repeat_interleave(torch.arange(e), torch.tensor(counts))
+    ids = torch.cat([ids, torch.tensor([e, e + 3])])  # ids of no expert here
+    perm = torch.randperm(ids.numel(), generator=torch.Generator().manual_seed(0))
+    batched = fp8_batched_linear_ref(x[perm], wq, s, ids[perm], (128, 128))
+    assert torch.equal(batched, got[perm])
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda w, s, x: (x, w.float(), s), "float8_e4m3fn"),
+        (lambda w, s, x: (x, w, s[:, :1]), "weight_scale_inv must be"),
+        (lambda w, s, x: (x[:, :100], w, s), "last dim"),
+        (lambda w, s, x: (x.to(torch.int32), w, s), "bfloat16, float16 or float32"),
+        (lambda w, s, x: (x, w, s.double()), "float32"),
+    ],
+)
+def test_bad_inputs_one_line(make, message):
+    wq, s = quantized_weight((64, 256), (128, 128))
+    x = activations(3, 256)
+    with pytest.raises(ValueError, match=message):
+        fp8_linear_ref(*make(wq, s, x), (128, 128))
+    with pytest.raises(ValueError, match=message):
+        fp8_linear(*make(wq, s, x), (128, 128))
+
+
+def test_bad_grouped_inputs_one_line():
+    wq, s = quantized_weight((4, 64, 256), (128, 128))
+    x = activations(6, 256)
+    with pytest.raises(ValueError, match="offsets must be"):
+        fp8_grouped_linear(x, wq, s, torch.tensor([1, 2, 6], dtype=torch.int32))
+    with pytest.raises(ValueError, match="expert_ids must be"):
+        fp8_batched_linear(x, wq, s, torch.zeros(5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="block_size must be"):
+        fp8_grouped_linear(x, wq, s, torch.tensor([1, 2, 3, 6]), (128, 100))
+
+
+# ---------------------------------------------------------------- kernels vs references
+
+
+def assert_rows_close(got, ref32, truth):
+    """Per row: ||got - ref|| <= 2 ||round(ref) - ref|| + 0.05 ||ref - truth|| (+ fp32 slack)."""
+    ref, truth_ = ref32.double(), truth.double()
+    err = (got.double() - ref).norm(dim=-1)
+    rounding = (ref32.to(got.dtype).double() - ref).norm(dim=-1)
+    tol = 2 * rounding + 0.05 * (ref - truth_).norm(dim=-1) + 1e-6 * ref.norm(dim=-1) + 1e-30
+    bad = err > tol
+    assert not bool(bad.any()), (
+        f"{int(bad.sum())} of {bad.numel()} rows off; worst err {float((err / tol).max()):.3g}x tol"
+    )
+
+
+def check_linear(m, n, k, block, dtype, fused=False, static=None, seed=0, out_dtype=None):
+    dev = DEVICE
+    wq, s = quantized_weight((n, k), block or (n, k), seed=seed, device=dev)
+    if block is None:
+        s = s.reshape(())
+    x = activations(m, k, seed=seed + 1, dtype=dtype, device=dev)
+    scale = None if static is None else torch.tensor(static, device=dev)
+    out_dtype = out_dtype or dtype
+    if fused:
+        got = fp8_gemm._launch(x, wq, s, block, None, scale, out_dtype, fused=True)
+    else:
+        got = fp8_linear(x, wq, s, block, scale, out_dtype)
+    assert got.dtype == out_dtype and got.shape == (m, n)
+    ref32 = fp8_linear_ref(x, wq, s, block, scale, torch.float32)
+    truth = x.double() @ dequantize_weight_ref(wq, s, block).double().T
+    assert_rows_close(got, ref32, truth)
+    return got
+
+
+@kernel_test
+@fp8_kernel_test
+@pytest.mark.parametrize("m", [1, 127, 129, 1000])
+def test_kernel_linear_matches_reference(m):
+    check_linear(m, 300, 384, (128, 128), torch.float16, seed=m)
+
+
+@kernel_test
+@fp8_kernel_test
+@pytest.mark.parametrize(
+    "m, n, k, block, dtype, fused, static",
+    [
+        (129, 130, 200, (128, 128), torch.float32, False, None),  # K tail: a partial last block
+        (65, 96, 256, (32, 64), torch.float16, False, None),  # other blocks, group 64
+        (70, 150, 256, (48, 128), torch.float16, False, None),  # a scale per column of a tile
+        (33, 40, 300, None, torch.float32, False, None),  # per-tensor weight
+        (130, 260, 256, (128, 128), torch.float16, False, 0.02),  # static activation scale
+        (129, 300, 384, (128, 128), torch.float16, True, None),  # quantised inside the product
+        (127, 130, 200, (128, 128), torch.float32, True, None),
+    ],
+)
+def test_kernel_linear_variants(m, n, k, block, dtype, fused, static):
+    check_linear(m, n, k, block, dtype, fused=fused, static=static, seed=n + k)
+
+
+@kernel_test
+@fp8_kernel_test
+def test_kernel_linear_leading_dims_and_out_dtype():
+    wq, s = quantized_weight((64, 256), (128, 128), device=DEVICE)
+    x = activations(2 * 3 * 7, 256, device=DEVICE, dtype=torch.float16).view(2, 3, 7, 256)
+    got = fp8_linear(x, wq, s, (128, 128), out_dtype=torch.float32)
+    assert got.shape == (2, 3, 7, 64) and got.dtype == torch.float32
+    want = fp8_linear(x.reshape(-1, 256), wq, s, (128, 128), out_dtype=torch.float32)
+    assert torch.equal(got.reshape(-1, 64), want)
+
+
+@kernel_test
+@fp8_kernel_test
+def test_kernel_act_quant_matches_reference():
+    x = activations(70, 300, dtype=torch.float16, device=DEVICE)
+    q, s = fp8_act_quant(x, 128)
+    q_ref, s_ref = act_quant_ref(x, 128)
+    torch.testing.assert_close(s.T, s_ref, rtol=1e-6, atol=0)
+    mismatch = q.float() != q_ref.float()
+    # a value at a rounding tie may fall either way if the kernel's division is not exact
+    assert int(mismatch.sum()) <= x.numel() // 1000, int(mismatch.sum())
+
+
+@kernel_test
+@fp8_kernel_test
+def test_e4m3_rounding_matches_torch():
+    """Every e4m3 value, every midpoint between neighbours (ties), values beyond 448, tiny ones
+    and a spread of random ones: the kernel's quantised values equal torch's cast, exactly."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
+    grid = codes[codes.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    gen = torch.Generator().manual_seed(0)
+    rand = torch.cat([torch.randn(4000, generator=gen) * s for s in (1e-3, 1.0, 100.0)])
+    extra = torch.tensor([0.0, -0.0, 448.5, 460.0, -1e6, 1e-9, 2.0**-10, 3 * 2.0**-11])
+    x = torch.cat([grid, mids, rand, extra])
+    x = torch.nn.functional.pad(x, (0, -x.numel() % 128)).view(-1, 128)
+    q, _ = fp8_act_quant(x.to(DEVICE), 128, torch.tensor(1.0, device=DEVICE))
+    want = x.clamp(-448, 448).to(FP8_DTYPE)
+    assert torch.equal(q.cpu().float(), want.float())
+
+
+def routed(counts, tail, k, dtype, seed):
+    x = activations(sum(counts) + tail, k, seed=seed, dtype=dtype, device=DEVICE)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32).to(DEVICE)
+    return x, offsets
+
+
+@kernel_test
+@fp8_kernel_test
+@pytest.mark.parametrize(
+    "counts, tail, n, k, dtype",
+    [
+        ([3, 0, 40, 0, 1, 129], 0, 96, 256, torch.float16),  # empty experts, partial tiles
+        ([0, 0, 200, 0], 5, 130, 200, torch.float32),  # one expert takes every row; a tail
+        ([1], 0, 40, 128, torch.float16),  # one row, one expert
+        ([0, 0, 0], 3, 64, 128, torch.float32),  # no expert gets a row: all zeros
+        ([37, 64, 1, 0, 90, 33, 7, 2], 0, 64, 384, torch.float16),
+    ],
+)
+def test_kernel_grouped_matches_reference(counts, tail, n, k, dtype):
+    e = len(counts)
+    wq, s = quantized_weight((e, n, k), (128, 128), seed=n, device=DEVICE)
+    x, offsets = routed(counts, tail, k, dtype, seed=k)
+    got = fp8_grouped_linear(x, wq, s, offsets, (128, 128))
+    assert got.dtype == dtype and got.shape == (x.shape[0], n)
+    ref32 = fp8_grouped_linear_ref(x.float(), wq, s, offsets, (128, 128))
+    w = dequantize_weight_ref(wq, s, (128, 128)).double()
+    truth = torch.zeros(x.shape[0], n, dtype=torch.float64, device=DEVICE)
+    start = 0
+    for i, c in enumerate(counts):
+        truth[start : start + c] = x[start : start + c].double() @ w[i].T
+        start += c
+    assert_rows_close(got, ref32, truth)
+    assert bool((got[start:] == 0).all()), "rows past the last expert must be zeros"
+
+
+@kernel_test
+@fp8_kernel_test
+def test_kernel_grouped_fused_and_int64_offsets():
+    counts = [50, 0, 7, 80]
+    wq, s = quantized_weight((4, 72, 256), (128, 128), device=DEVICE)
+    x, offsets = routed(counts, 2, 256, torch.float16, seed=5)
+    want = fp8_grouped_linear(x, wq, s, offsets, (128, 128))
+    fused = fp8_gemm._launch(x, wq, s, (128, 128), offsets.long(), fused=True)
+    ref32 = fp8_grouped_linear_ref(x.float(), wq, s, offsets, (128, 128))
+    err = lambda y: float((y.float() - ref32).norm() / ref32.norm())  # noqa: E731
+    assert err(fused) <= 2 * err(want) + 1e-6
+
+
+@kernel_test
+@fp8_kernel_test
+def test_kernel_batched_matches_reference():
+    e, n, k = 6, 64, 256
+    wq, s = quantized_weight((e, n, k), (128, 128), device=DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    ids = torch.randint(0, e + 2, (150,), generator=gen)  # ids e and e + 1: no expert here
+    ids[:20] = 3  # one popular expert
+    x = activations(150, k, dtype=torch.float16, device=DEVICE)
+    got = fp8_batched_linear(x, wq, s, ids.to(DEVICE), (128, 128))
+    ref32 = fp8_batched_linear_ref(x.float(), wq, s, ids.to(DEVICE), (128, 128))
+    w = dequantize_weight_ref(wq, s, (128, 128)).double()
+    truth = torch.zeros(150, n, dtype=torch.float64, device=DEVICE)
+    for i in range(e):
+        rows = (ids == i).nonzero().flatten().to(DEVICE)
+        truth[rows] = x[rows].double() @ w[i].T
+    assert_rows_close(got, ref32, truth)
+    assert bool((got[(ids >= e).to(DEVICE)] == 0).all())
+
+
+@kernel_test
+@fp8_kernel_test
+def test_custom_ops_are_opaque_to_compile():
+    """The fake implementations agree with the real ones (torch.library's fake-tensor check; its
+    schema check cannot run on e4m3 inputs) and a region compiled with fullgraph=True runs the
+    ops without a graph break."""
+    wq, s = quantized_weight((4, 64, 128), (128, 128), device=DEVICE)
+    x, offsets = routed([3, 0, 5, 2], 1, 128, torch.float16, seed=2)
+    torch.library.opcheck(
+        torch.ops.rbs_bench.fp8_grouped_linear.default,
+        (x, wq, s, offsets, 128, 128),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+    torch.library.opcheck(
+        torch.ops.rbs_bench.fp8_linear.default,
+        (x, wq[0], s[0], 128, 128, torch.float16, None),
+        test_utils=("test_faketensor", "test_aot_dispatch_dynamic"),
+    )
+
+    def layer(x):
+        return fp8_linear(x, wq[1], s[1]) + fp8_grouped_linear(x, wq, s, offsets)
+
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(x), layer(x))
+
+
+@pytest.mark.skipif(
+    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
+)
+def test_interpreter_suite():
+    """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
+    rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel or rounding or custom_ops")
+    assert rc == 0, tail
+    assert passed >= 20, tail
+
+
+# ---------------------------------------------------------------- GPU, bf16, model shapes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
+@pytest.mark.parametrize("m", [1, 127, 129, 1000, 4099])
+@pytest.mark.parametrize("n, k", [(4096, 2048), (512, 2048), (2048, 4096), (1536, 2048)])
+def test_gpu_linear_bf16_model_shapes(m, n, k):
+    check_linear(m, n, k, (128, 128), torch.bfloat16, seed=m + n)
+    check_linear(m, n, k, (128, 128), torch.bfloat16, fused=True, seed=m + n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
+@pytest.mark.parametrize("tokens", [1, 129, 1000])
+@pytest.mark.parametrize("n, k", [(1536, 2048), (2048, 768)])
+def test_gpu_grouped_bf16_experts(tokens, n, k):
+    """128 experts, top-8 routing of `tokens` tokens (most experts get a few rows or none)."""
+    e, top = 128, 8
+    wq, s = quantized_weight((e, n, k), (128, 128), seed=tokens, device="cuda")
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:top] for _ in range(tokens)]).flatten()
+    counts = torch.bincount(ids, minlength=e).tolist()
+    x, offsets = routed(counts, 0, k, torch.bfloat16, seed=tokens)
+    got = fp8_grouped_linear(x, wq, s, offsets, (128, 128))
+    ref32 = fp8_grouped_linear_ref(x.float(), wq, s, offsets, (128, 128))
+    w = dequantize_weight_ref(wq, s, (128, 128))
+    truth = torch.zeros(x.shape[0], n, dtype=torch.float64, device="cuda")
+    start = 0
+    for i, c in enumerate(counts):
+        truth[start : start + c] = (x[start : start + c].float() @ w[i].T).double()
+        start += c
+    assert_rows_close(got, ref32, truth)

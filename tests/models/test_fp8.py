@@ -1,0 +1,280 @@
+"""transformers' FP8 layers on rbs_bench's entry points (`rbs_bench.models.fp8`).
+
+On the CPU the entry points run their PyTorch references inside transformers' own FP8Linear and
+FP8Experts layers (both experts dispatches, grouped_mm and batched_mm), which checks that their
+signatures and semantics are the ones transformers calls; the same tests with the Triton kernels
+run on a GPU with fp8 tensor cores, or on the CPU in a fresh Python under TRITON_INTERPRET=1
+(`test_triton_backend_interpreted`). A gpu-marked test quantises a small Qwen3-MoE through
+`from_pretrained` and compares its logits on the kernels with the same model on the references.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from rbs_bench.kernels import fp8_gemm
+from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+
+from rbs_bench.models import fp8
+
+fg = pytest.importorskip("transformers.integrations.finegrained_fp8")
+
+CUDA = torch.cuda.is_available()
+FP8_GPU = CUDA and torch.cuda.get_device_capability() >= (8, 9)
+# where the Triton backend runs: a GPU with fp8 tensor cores, or the CPU when interpreted
+TRITON_DEVICE = "cuda" if FP8_GPU and not INTERPRET else ("cpu" if INTERPRET else None)
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """No entry points loaded, and the environment restored after the test."""
+    monkeypatch.setattr(fg, "_FINEGRAINED_FP8", None)
+    monkeypatch.delenv("TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR", raising=False)
+    return fg
+
+
+def test_is_fp8_reads_the_quant_method():
+    ns = types.SimpleNamespace
+    assert fp8.is_fp8(ns(quantization_config={"quant_method": "fp8", "weight_block_size": [1, 1]}))
+    assert fp8.is_fp8(ns(text_config=ns(quantization_config=ns(quant_method="fp8"))))
+    assert not fp8.is_fp8(ns(quantization_config={"quant_method": "bitsandbytes"}))
+    assert not fp8.is_fp8(ns())
+    assert fp8.prepare(ns(), "cpu") is None
+
+
+def test_install_is_a_noop_on_a_cpu(fresh):
+    config = types.SimpleNamespace(quantization_config={"quant_method": "fp8"})
+    assert fp8.prepare(config, "cpu") == "none"
+    assert fp8.install(torch.device("cpu")) == "none"
+    assert fg._FINEGRAINED_FP8 is None
+    assert "TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR" not in os.environ
+
+
+def test_install_is_idempotent(fresh, capsys):
+    assert fp8.install(force=True) == "rbs_bench"
+    first = fg._FINEGRAINED_FP8
+    assert fg.load_finegrained_fp8_kernel() is first  # transformers' loader returns ours
+    assert os.environ["TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR"] == "1"
+    assert fp8.install(force=True) == "rbs_bench"
+    assert fg._FINEGRAINED_FP8 is first
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_hub_kernel_wins_where_it_loads(fresh, monkeypatch):
+    import transformers.utils.import_utils as iu
+
+    hub = fg.FineGrainedFP8(matmul=len, batched_matmul=len, grouped_matmul=len)
+    monkeypatch.setattr(fp8, "_fp8_gpus", lambda device: True)
+    monkeypatch.setattr(iu, "is_kernels_available", lambda: True)
+    monkeypatch.setattr(
+        fg, "load_finegrained_fp8_kernel", lambda: setattr(fg, "_FINEGRAINED_FP8", hub)
+    )
+    assert fp8.install("cuda") == "hub"
+    assert fg._FINEGRAINED_FP8 is hub
+    assert fp8.install("cuda") == "hub"  # already loaded
+
+
+def test_ours_where_the_hub_fails(fresh, monkeypatch):
+    import transformers.utils.import_utils as iu
+
+    def offline():
+        raise OSError("no network")
+
+    monkeypatch.setattr(fp8, "_fp8_gpus", lambda device: True)
+    monkeypatch.setattr(iu, "is_kernels_available", lambda: True)
+    monkeypatch.setattr(fg, "load_finegrained_fp8_kernel", offline)
+    assert fp8.install("cuda") == "rbs_bench"
+    assert fg._FINEGRAINED_FP8.matmul.__module__ == fp8.__name__
+
+
+def test_unknown_integration_is_one_line(fresh, monkeypatch, capsys):
+    monkeypatch.delattr(fg, "_FINEGRAINED_FP8")
+    assert fp8.install(force=True) == "unknown"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("rbs-bench:") and "FP8 integration" in err[0]
+
+
+def test_fp4_weights_are_refused_in_one_line():
+    ep = fp8.entry_points("reference")
+    with pytest.raises(ValueError, match="float8_e4m3fn weights"):
+        ep["matmul"](torch.randn(2, 64), torch.zeros(32, 32, dtype=torch.int8), torch.ones(1, 1))
+
+
+# ------------------------------------------------------ transformers' layers on the entry points
+
+
+def quantize(w: torch.Tensor, block=128):
+    """(e4m3, fp32 scales per block) of a [..., N, K] weight with N, K multiples of `block`."""
+    *lead, n, k = w.shape
+    blocks = w.float().reshape(*lead, n // block, block, k // block, block)
+    s = blocks.abs().amax((-3, -1)).clamp_min(1e-12) / 448.0
+    q = (blocks / s[..., :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.reshape(w.shape), s
+
+
+def fp8_linear_module(n, k, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    layer = fg.FP8Linear(k, n, block_size=(128, 128)).to(device)
+    q, s = quantize(torch.randn(n, k, generator=gen) * 0.05)
+    layer.weight.data, layer.weight_scale_inv.data = q.to(device), s.to(device)
+    return layer
+
+
+def fp8_experts_module(impl, device, e=4, hidden=256, inter=128, seed=0):
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations.moe import use_experts_implementation
+
+    config = Qwen3MoeConfig(
+        hidden_size=hidden, moe_intermediate_size=inter, num_experts=e, num_experts_per_tok=2
+    )
+    config._experts_implementation = impl
+    cls = use_experts_implementation(
+        experts_class=fg.FP8Experts, experts_interface=fg.ALL_FP8_EXPERTS_FUNCTIONS
+    )
+    experts = cls(config=config, block_size=(128, 128)).to(device)
+    gen = torch.Generator().manual_seed(seed)
+    gu, gu_s = quantize(torch.randn(e, 2 * inter, hidden, generator=gen) * 0.05)
+    dn, dn_s = quantize(torch.randn(e, hidden, inter, generator=gen) * 0.05)
+    experts.gate_up_proj.data, experts.gate_up_proj_scale_inv.data = gu.to(device), gu_s.to(device)
+    experts.down_proj.data, experts.down_proj_scale_inv.data = dn.to(device), dn_s.to(device)
+    return experts
+
+
+def routing(tokens, e, top, device, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:top] for _ in range(tokens)])
+    idx[: tokens // 2, 0] = 1  # a popular expert; expert e - 1 may get no token
+    weights = torch.rand(tokens, top, generator=gen).softmax(-1)
+    return idx.to(device), weights.to(device)
+
+
+def experts_truth(experts, x, idx, weights):
+    """The MoE output token by token: with `fp8_linear_ref` per expert and every step in x's
+    dtype as transformers' experts take them (SwiGLU, routing weight, sum over the top k), and
+    in fp64 with the dequantised weights and unquantised activations."""
+    out = torch.zeros(x.shape, dtype=x.dtype, device=x.device)
+    exact = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    dq = fp8_gemm.dequantize_weight_ref
+    for t in range(x.shape[0]):
+        terms = []
+        for j in range(idx.shape[1]):
+            e, w = int(idx[t, j]), weights[t, j]
+            gu_w, gu_s = experts.gate_up_proj[e], experts.gate_up_proj_scale_inv[e]
+            dn_w, dn_s = experts.down_proj[e], experts.down_proj_scale_inv[e]
+            gate, up = fp8_gemm.fp8_linear_ref(x[t : t + 1], gu_w, gu_s).chunk(2, dim=-1)
+            h = torch.nn.functional.silu(gate) * up
+            terms.append(fp8_gemm.fp8_linear_ref(h, dn_w, dn_s)[0] * w.to(x.dtype))
+            gate, up = (x[t].double() @ dq(gu_w, gu_s, (128, 128)).double().T).chunk(2, dim=-1)
+            h = torch.nn.functional.silu(gate) * up
+            exact[t] += w.double() * (h @ dq(dn_w, dn_s, (128, 128)).double().T)
+        out[t] = torch.stack(terms).sum(0)
+    return out, exact
+
+
+def assert_rows_close(got, ref, exact):
+    """Per row: ||got - ref|| <= 2 ||round(ref) - ref|| + 0.05 ||ref - exact||: far closer to
+    the quantised reference than the quantisation's own error (a wrong expert or weight is an
+    error of its size)."""
+    err = (got.double() - ref.double()).norm(dim=-1)
+    rounding = (ref.to(got.dtype).double() - ref.double()).norm(dim=-1)
+    tol = 2 * rounding + 0.05 * (ref.double() - exact).norm(dim=-1) + 1e-30
+    assert bool((err <= tol).all()), float((err / tol).max())
+
+
+def check_layers(backend: str, device: str, dtype: torch.dtype) -> None:
+    """FP8Linear and FP8Experts (grouped_mm, batched_mm) on the entry points of `backend`
+    against the layer-level references (`assert_rows_close`)."""
+    fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**fp8.entry_points(backend))
+    gen = torch.Generator().manual_seed(5)
+    layer = fp8_linear_module(256, 384, device)
+    x = torch.randn(2, 5, 384, generator=gen).to(device, dtype)
+    got = layer(x)
+    assert got.shape == (2, 5, 256) and got.dtype == dtype
+    ref = fp8_gemm.fp8_linear_ref(x, layer.weight, layer.weight_scale_inv, out_dtype=torch.float32)
+    w = fp8_gemm.dequantize_weight_ref(layer.weight, layer.weight_scale_inv, (128, 128))
+    assert_rows_close(got, ref, x.double() @ w.double().T)
+
+    idx, weights = routing(9, 4, 2, device)
+    x = torch.randn(9, 256, generator=gen).to(device, dtype)
+    outs = {}
+    for impl in ("grouped_mm", "batched_mm"):
+        experts = fp8_experts_module(impl, device)
+        outs[impl] = experts(x, idx, weights)
+        assert outs[impl].shape == x.shape and outs[impl].dtype == dtype
+    ref, exact = experts_truth(experts, x, idx, weights)
+    for out in outs.values():
+        assert_rows_close(out, ref, exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_transformers_layers_on_the_reference_entry_points(fresh, dtype):
+    with torch.no_grad():
+        check_layers("reference", "cpu", dtype)
+
+
+@pytest.mark.skipif(TRITON_DEVICE is None, reason="needs an fp8 GPU, or TRITON_INTERPRET=1")
+def test_transformers_layers_on_the_triton_entry_points(fresh):
+    with torch.no_grad():
+        check_layers(
+            "triton", TRITON_DEVICE, torch.bfloat16 if TRITON_DEVICE == "cuda" else torch.float16
+        )
+
+
+@pytest.mark.skipif(INTERPRET or FP8_GPU or not triton_available(), reason="runs in this process")
+def test_triton_backend_interpreted():
+    """The Triton-backend test above, on the CPU in a fresh Python under TRITON_INTERPRET=1."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-k", "triton_entry_points", str(Path(__file__).resolve())],
+        env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    tail = "\n".join(res.stdout.strip().splitlines()[-20:])
+    assert res.returncode == 0 and re.search(r"\b1 passed", tail), tail
+
+
+# ------------------------------------------------------ a quantised model on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_quantised_moe_model_on_the_kernels(fresh, tmp_path, impl):
+    """A 2-layer Qwen3-MoE saved in bf16 and loaded with transformers' FP8 quantisation (its
+    FP8Linear and FP8Experts layers): logits on the Triton kernels match the same model on the
+    PyTorch references far more closely than either matches the bf16 model."""
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(
+        hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        intermediate_size=256, vocab_size=1024,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cuda")
+    assert fp8.install("cuda") in ("rbs_bench", "hub")
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path,
+        dtype=torch.bfloat16,
+        device_map="cuda",
+        quantization_config=FineGrainedFP8Config(weight_block_size=[128, 128]),
+        experts_implementation=impl,
+    )
+    kinds = {type(m).__name__ for m in model.modules()}
+    assert {"FP8Linear", "FP8Experts"} <= kinds, kinds
+    ids = torch.randint(0, 1024, (2, 300), device="cuda")
+    with torch.no_grad():
+        want_bf16 = bf16(ids).logits.float()
+        fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**fp8.entry_points("triton"))
+        got = model(ids).logits.float()
+        fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**fp8.entry_points("reference"))
+        ref = model(ids).logits.float()
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    assert rel(got, ref) <= 0.2 * rel(ref, want_bf16), (rel(got, ref), rel(ref, want_bf16))
