@@ -1,6 +1,6 @@
 """Check, time and profile the kernels' configurations in one GPU call.
 
-    python -m rbs_bench.bench.variants --out DIR [--budget-s 300]
+    python -m rbs_bench.bench.variants --out DIR [--budget-s 300] [--parts selector]
     ncu ... --profile-from-start off python -m rbs_bench.bench.variants profile --out DIR
     ncu ... python -m rbs_bench.bench.variants profile --tuned --lengths 65536 131072
     python -m rbs_bench.bench.variants arch --out DIR [--budget-s 540]
@@ -10,7 +10,10 @@ calibrated to 5% measured density; then every configuration of the sparse attent
 `ATTENTION_CONFIGS` is checked against an fp32 computation over the same kept blocks and timed on
 that selection (and at 128K on uniformly random blocks of the same density), next to dense cuDNN,
 and every selector variant in `SELECTOR_CONFIGS` is checked against the default one and timed,
-with the share of candidates the two-pass variant scores exactly. At 128K the sparse output's
+with the share of candidates the two-pass variant scores exactly, and, beside the autotuned
+attention kernel's time on the same selection (`kind=tuned`), its sum with that time, its
+share of the sum and the sum's speedup over dense cuDNN (`--parts selector` times the selector
+variants only). At 128K the sparse output's
 error is compared with dense SDPA's (`rbs_bench.bench.attention`). Rows go to DIR/variants.csv as
 they finish; the fastest attention configuration goes to DIR/best.json, and a table is printed
 last. `profile` runs the previous and the fastest configuration and two selector variants once
@@ -62,14 +65,35 @@ ATTENTION_CONFIGS = (
     (64, 4, 3, None, False, True, 0, 64),
     (64, 4, 2, None, False, True, 0, 64),
 )
-# rbs_select launch options; "fast" is the path the selector shipped with.
+# rbs_select launch options (`rbs_select._launch`); "default" is the shipped path: one exact
+# pass, the row a called function (168 registers, three programs of 4 warps per SM, 2 stages).
+# docs/kernels.md has what ptxas reports for each and the prediction behind it.
+_INLINED = dict(call=False, maxnreg=None, per_sm=2)  # async wgmma: no call boundary, 255 regs
 SELECTOR_CONFIGS = {
-    "fast": dict(fast=True),
-    "one-pass": dict(two_pass=False),
-    "two-pass": dict(),
-    "two-pass-2/sm": dict(per_sm=2, maxnreg=None),
-    "two-pass-8w": dict(num_warps=8, maxnreg=128, per_sm=2),
-    "two-pass-st3": dict(num_stages=3),
+    "default": dict(),
+    "fast": dict(fast=True),  # one offset per row, exact redo near overflow (the first path)
+    "two-pass": dict(two_pass=True),  # bounds first, exact scores of the live blocks only
+    "two-pass-2/sm": dict(two_pass=True, per_sm=2, maxnreg=None),
+    "mean-offset": dict(offset="mean"),  # no block-0 dot per row
+    "fast-log": dict(fast_log=True),  # lg2.approx for each block's log-sum
+    "fast-log-mean": dict(fast_log=True, offset="mean"),
+    "st1": dict(num_stages=1),
+    "inlined-2/sm": _INLINED,
+    "inlined-2/sm-st1": dict(_INLINED, num_stages=1),
+    "inlined-2/sm-st1-mean": dict(_INLINED, num_stages=1, offset="mean"),
+    "inlined-2/sm-st1-mean-fast-log": dict(_INLINED, num_stages=1, offset="mean", fast_log=True),
+    "inlined-3/sm-r168-st1-mean-fast-log": dict(
+        call=False, maxnreg=168, per_sm=3, num_stages=1, offset="mean", fast_log=True
+    ),
+    "inlined-8w-1/sm-st1-mean-fast-log": dict(
+        call=False,
+        maxnreg=None,
+        num_warps=8,
+        per_sm=1,
+        num_stages=1,
+        offset="mean",
+        fast_log=True,
+    ),  # fmt: skip
 }
 
 
@@ -175,8 +199,10 @@ def time_attention(
     return best
 
 
-def time_selectors(rows: Rows, family, n, q, k, selector, t_end):
-    """Check each selector variant against the default and time it (stats included)."""
+def time_selectors(rows: Rows, family, n, q, k, selector, t_end, attention_ms=None, cudnn_ms=None):
+    """Check each selector variant against the default and time it (statistics included); with
+    the tuned attention's and dense cuDNN's times, each variant's sum with the attention, its
+    share of that sum and the sum's speedup over cuDNN (the goals' three numbers)."""
     from rbs_bench.bench.attention import do_bench
     from rbs_bench.kernels.block_stats import block_stats, rescue_beta
     from rbs_bench.kernels.rbs_select import _launch
@@ -203,11 +229,29 @@ def time_selectors(rows: Rows, family, n, q, k, selector, t_end):
             print(f"selector {name}: failed ({type(e).__name__}: {str(e)[:300]})", file=sys.stderr)
             continue
         cand, exact = stats.tolist()
+        totals = {}
+        if attention_ms is not None:
+            total = ms + attention_ms
+            totals = dict(total_ms=total, share=ms / total)
+            if cudnn_ms is not None:
+                totals["x_cudnn"] = cudnn_ms / total
         rows.add(
             kind="selector", inputs=family, n=n, pattern="rbs", config=name, ms=ms,
-            differ_counts=int((got[0] != want[0]).sum()), exact_share=exact / max(cand, 1),
-            density=selector.select(q, k).density(),
+            differ_counts=int((got[0] != want[0]).sum()),
+            differ_blocks=int((got[1] != want[1]).sum()), exact_share=exact / max(cand, 1),
+            density=selector.select(q, k).density(), **totals,
         )  # fmt: skip
+
+
+def tuned_attention_ms(q, k, v, sel) -> float:
+    """The autotuned attention kernel on this selection (what a run pays), tuned first."""
+    from rbs_bench.bench.attention import do_bench
+    from rbs_bench.kernels import block_sparse_attn as bsa
+
+    lists = (sel.kv_count, sel.kv_indices, sel.block_q, sel.block_k)
+    run = lambda: bsa.block_sparse_attention(q, k, v, *lists)  # noqa: E731
+    run()
+    return do_bench(run, 100)
 
 
 def dense_ms(q, k, v, names=("sdpa_cudnn",)) -> dict:
@@ -267,16 +311,23 @@ def cmd_time(args) -> int:
         for name, ms in dense.items():
             rows.add(kind="dense", inputs=family, n=n, pattern=name, config=name, ms=ms,
                      eff_tflops=flops / ms / 1e9)  # fmt: skip
-        b = time_attention(rows, family, n, "rbs", q, k, v, sel, density, cudnn_tf, t_end)
-        if b is not None:
-            best[f"{family}-{n}"] = (tag(b[0]), b[1], list(b[0]))
-        time_selectors(rows, family, n, q, k, selector, t_end)
-        if n == LONG and family == args.inputs[0] and time.monotonic() < t_end:
+        if "attention" in args.parts:
+            b = time_attention(rows, family, n, "rbs", q, k, v, sel, density, cudnn_tf, t_end)
+            if b is not None:
+                best[f"{family}-{n}"] = (tag(b[0]), b[1], list(b[0]))
+        if "selector" in args.parts:
+            att_ms = tuned_attention_ms(q, k, v, sel)
+            rows.add(kind="tuned", inputs=family, n=n, pattern="rbs", config="autotuned",
+                     ms=att_ms, eff_tflops=density * flops / att_ms / 1e9)  # fmt: skip
+            time_selectors(rows, family, n, q, k, selector, t_end, att_ms, dense["sdpa_cudnn"])
+        first = family == args.inputs[0]
+        if "attention" in args.parts and n == LONG and first and time.monotonic() < t_end:
             rnd = random_selection(n, SHAPE["heads"], density, seed=3)
             dens = rnd.density()
             time_attention(rows, family, n, "random", q, k, v, rnd, dens, cudnn_tf, t_end)
-        if n == LONG and time.monotonic() < t_end:
-            cfgs = list(dict.fromkeys([ATTENTION_CONFIGS[0]] + ([tuple(b[0])] if b else [])))
+        if n == LONG and "attention" in args.parts and time.monotonic() < t_end:
+            b = best.get(f"{family}-{n}")
+            cfgs = list(dict.fromkeys([ATTENTION_CONFIGS[0]] + ([tuple(b[2])] if b else [])))
             errors(rows, family, n, q, k, v, sel, cfgs)
         (out / "best.json").write_text(json.dumps(best, indent=1))
         del q, k, v, sel
@@ -305,8 +356,20 @@ def summary(rows: Rows) -> None:
             print(
                 sub.pivot_table(index="config", columns=["inputs", "n", "pattern"], values=cols[2])
             )
-        else:
-            print(sub.pivot_table(index="config", columns=["inputs", "n"], values=cols[1]))
+            continue
+        print("differing counts (rows whose kept count differs from the default's):")
+        print(sub.pivot_table(index="config", columns=["inputs", "n"], values=cols[2]))
+        if "share" in sub:
+            print("share of selector + tuned attention; speedup of that sum over SDPA-cuDNN")
+            print("(goals at 128K: selector <= 2.0 ms, share <= 0.12, speedup >= 15):")
+            both = sub.pivot_table(index="config", columns=["inputs", "n"], values="share")
+            print(
+                both.round(3).astype(str)
+                + " / x"
+                + sub.pivot_table(index="config", columns=["inputs", "n"], values="x_cudnn")
+                .round(2)
+                .astype(str)
+            )
     err = df[df["kind"] == "errors"]
     if not err.empty:
         print("\nerrors at 128K:")
@@ -516,6 +579,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--tuned", action="store_true", help="profile: the autotuned kernel at each length"
     )
+    ap.add_argument(
+        "--parts", nargs="+", default=["attention", "selector"], choices=["attention", "selector"],
+        help="time: the attention configurations, the selector variants, or both",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("rbs-bench: error: the kernel variants need a CUDA device", file=sys.stderr)
