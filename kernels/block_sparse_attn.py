@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .triton_util import kernel_arch
+
 try:
     import triton
     import triton.language as tl
@@ -567,9 +569,12 @@ try:  # host-side TMA descriptors (triton >= 3.4)
 except ImportError:  # no triton, or one without them: the pointer path only
     TensorDescriptor = None
 
-# The tuning space: (BLOCK_N, num_warps, num_stages, maxnreg, MERGE_DIAG, TMA, ORDER, BLOCK_M);
-# BLOCK_N is capped at block_k, BLOCK_M at min(block_q, 128). Read with docs/kernels.md, which
-# has the timings behind each entry.
+# The tuning spaces: (BLOCK_N, num_warps, num_stages, maxnreg, MERGE_DIAG, TMA, ORDER, BLOCK_M);
+# BLOCK_N is capped at block_k, BLOCK_M at min(block_q, 128). `tuning_space` picks one by the
+# GPU's architecture (`triton_util.kernel_arch`; RBS_KERNEL_ARCH=sm80 forces the Ampere one).
+# Read with docs/kernels.md, which has the timings behind each entry.
+#
+# Hopper (capability 9.0+): TMA (tensor-descriptor) loads and register caps tuned on an H100.
 # With num_stages=2 the loads of tile t + 1 are issued after tile t's last MMA, so within one
 # program nothing hides them; with 3 stages one tile's compute hides the next tile's loads.
 # Two programs of 8 warps share an SM only at <= 128 registers, where a 64-key tile makes ptxas
@@ -577,7 +582,7 @@ except ImportError:  # no triton, or one without them: the pointer path only
 # tile fits asynchronously in 128 registers with 3-4 stages in 80-96 KB of shared memory. None
 # wins everywhere on an H100: the 32-key tile with every head of a tile side by side is 20%
 # faster at 32K-64K and 5% slower at 128K than the 64-key one, so the tuner picks per length.
-TUNING_SPACE = (
+HOPPER_SPACE = (
     (64, 8, 2, 128, False, False, 0, 128),  # the previous default: pointers, 2 programs per SM
     (64, 8, 2, 128, False, False, 2, 128),
     (64, 8, 2, 128, False, True, 1, 128),
@@ -588,9 +593,36 @@ TUNING_SPACE = (
     (128, 8, 2, None, False, True, 2, 128),
     (64, 4, 2, None, False, True, 2, 64),
 )
+TUNING_SPACE = HOPPER_SPACE  # the name the variants bench and the tests have used
+# Ampere and Ada (capability 8.x: A100 with 108 SMs, 164 KB of shared memory and 64K registers
+# per SM; mma.sync fed by cp.async pipelines, no TMA): pointer loads and no register caps. ptxas
+# for sm_80 (triton 3.9) puts the Hopper space's 128-register 64-key tile at 296 bytes of spills;
+# without caps, at head dim 128: 128 x 64 tiles in 8 warps take 206-211 registers (one program
+# per SM, 64 KB at 2 stages, 96 KB at 3), 128 x 32 in 8 warps 198, 64 x 32 in 4 warps 168 (three
+# programs per SM by registers and shared memory, 52 KB each at 3 stages), 64 x 64 in 4 warps
+# 255 (two per SM); none spills. Orders 1 and 2 keep a kv head's query heads side by side for
+# L2 reuse of K/V as on the H100 (A100's L2: 40 MB). Not yet timed on an A100.
+SM80_SPACE = (
+    (64, 8, 2, None, False, False, 1, 128),
+    (64, 8, 3, None, False, False, 1, 128),
+    (64, 8, 2, None, False, False, 2, 128),
+    (32, 8, 3, None, False, False, 2, 128),
+    (32, 4, 3, None, False, False, 1, 64),
+    (32, 4, 3, None, False, False, 2, 64),
+    (64, 4, 2, None, False, False, 1, 64),
+    (32, 4, 4, None, False, False, 0, 64),
+)
 POINTER_SPACE = tuple(c for c in TUNING_SPACE if not c[5]) or (
     (64, 8, 2, 128, False, False, 0, 128),
 )
+
+
+def tuning_space(device=None) -> tuple:
+    """The autotuner's configurations for the device's architecture: `HOPPER_SPACE` at
+    capability 9.0 and up (its TMA entries dropped where k/v cannot take descriptors),
+    `SM80_SPACE` below (pointer loads only)."""
+    return HOPPER_SPACE if kernel_arch(device) >= 90 else SM80_SPACE
+
 
 if HAS_TRITON:
 
@@ -680,7 +712,7 @@ def _launch(
     """Check, allocate and launch.
 
     `config` (BLOCK_N, MERGE_DIAG, TMA, ORDER, BLOCK_M, num_warps, num_stages, maxnreg) skips
-    autotuning; `space` replaces the autotuner's `TUNING_SPACE` (tuning runs and tests).
+    autotuning; `space` replaces the autotuner's `tuning_space(q.device)` (tuning runs, tests).
     """
     if not HAS_TRITON:
         raise RuntimeError(
@@ -729,14 +761,18 @@ def _launch(
         return (out, lse) if return_lse else out
     seqs = b if lengths is None else len(lengths)
 
-    tma = _tma_ok(k, v)
+    # TMA descriptors on Hopper and newer (and in the interpreter, which emulates them)
+    tma = _tma_ok(k, v) and (_interpreted() or kernel_arch(q.device) >= 90)
     if config is None and _interpreted():  # no timing under the interpreter
         config = {"BLOCK_N": min(block_k, 64), "num_warps": 4}
     if config is not None:
         config = {"MERGE_DIAG": False, "TMA": False, "ORDER": 0, "BLOCK_M": 128, **config}
         config["BLOCK_M"] = min(config["BLOCK_M"], block_q)  # a larger block runs as tiles
         if config["TMA"] and not tma:
-            raise ValueError("TMA=True needs fp16/bf16 k/v with 16-byte aligned strides")
+            raise ValueError(
+                "TMA=True needs a GPU of capability 9.0 or newer (and RBS_KERNEL_ARCH unset) "
+                "and fp16/bf16 k/v with 16-byte aligned strides"
+            )
     block_n = min(block_k, 64) if config is None else config["BLOCK_N"]
     descs = (_descriptor(k, block_n), _descriptor(v, block_n)) if tma else (k, v)
 
@@ -764,7 +800,8 @@ def _launch(
         return (tiles * hq, seqs)
 
     if config is None:
-        space = tuple(c for c in (space or TUNING_SPACE) if tma or not c[5]) or POINTER_SPACE
+        space = space or tuning_space(q.device)
+        space = tuple(c for c in space if tma or not c[5]) or POINTER_SPACE
         _tuned_kernel(block_q, block_k, space)[grid](*args, **meta)
     else:
         _block_sparse_fwd_kernel[grid(config)](*args, **meta, **config)

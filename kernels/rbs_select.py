@@ -36,7 +36,13 @@ from torch import Tensor
 
 from .block_masks import candidate_mask, compact_mask, forced_mask, relative_threshold
 from .block_scores import block_scores_ref
-from .triton_util import check_triton_launch, jit, tl, triton
+from .triton_util import INTERPRET, check_triton_launch, jit, tl, triton
+
+try:  # the special-function unit's log2 (fast_log); triton >= 3.0 has it here
+    from triton.language.extra import libdevice
+except ImportError:  # no triton: the references only
+    libdevice = None
+_INTERPRETED = tl.constexpr(INTERPRET) if tl is not None else INTERPRET
 
 # a real call: the callee's loop invariants are not hoisted into the caller's loop
 _jit_call = triton.jit(noinline=True) if triton is not None else jit
@@ -214,10 +220,16 @@ def _tile_dot(c_head, pos, offs_d, d_ok, stride_cm, stride_cd, q_t, DOT_F32: tl.
 
 @jit
 def _lse(x, off, EXACT: tl.constexpr):
-    """off + log2 sum_t 2^x[:, t]; EXACT subtracts each row's maximum first."""
+    """off + log2 sum_t 2^x[:, t]; EXACT (1 or 2) subtracts each row's maximum first, and 2
+    takes the logarithm of the sum (in [1, BLOCK_Q]) with the special-function unit's
+    approximate log2 (`lg2.approx`, relative error about 2^-22) instead of the libdevice one
+    (about 30 instructions each); the interpreter has no such instruction and keeps log2."""
     if EXACT:
         mx = tl.max(x, 1)
-        return off + mx + tl.log2(tl.sum(tl.exp2(x - mx[:, None]), 1))
+        total = tl.sum(tl.exp2(x - mx[:, None]), 1)
+        if EXACT == 2 and not _INTERPRETED:
+            return off + mx + libdevice.fast_log2f(total)
+        return off + mx + tl.log2(total)
     return off + tl.log2(tl.sum(tl.exp2(x), 1))
 
 
@@ -555,9 +567,9 @@ def _select_row(
         top_b, top_r = _score_row(
             c_head, u_head, perm_head, S0, S1, stride_cm, stride_cd, stride_um, stride_vm,
             offs_d, d_ok, q_t, qk_scale, bias, q_norm, off, cz, cp, BASE, RESCUE, DOT_F32,
-            not FAST, BLOCK_K, BLOCK_M,
+            (FAST != 1) * (1 + (FAST == 2)), BLOCK_K, BLOCK_M,
         )  # fmt: skip
-        if FAST:
+        if FAST == 1:
             ok = True
             if BASE:
                 ok = (top_b <= off + 100.0) & (top_b >= off - 60.0)
@@ -785,6 +797,7 @@ def _launch(
     offset: str = "block0",
     two_pass: bool = False,
     stats: Tensor | None = None,
+    fast_log: bool = False,
 ):
     """`rbs_select` with the launch configuration open (for tests and tuning).
 
@@ -804,7 +817,8 @@ def _launch(
     ("block0": scores that matter cannot underflow) or against the mean centroid ("mean": one
     reduction less; with fast, the redo covers rows where it misses by more than 2^60). stats:
     int64 [2], if given, accumulates the scored candidates and those scored exactly (pass two's
-    live blocks; all of them in one pass).
+    live blocks; all of them in one pass). fast_log: the one exact pass with each block's
+    logarithm from the special-function unit (`_lse`); ignored with fast or two_pass.
     """
     base, rescue = _branches(branches)
     check_triton_launch("rbs_select", q, centroid, uplift_rescue if rescue else None)
@@ -905,7 +919,7 @@ def _launch(
         BASE=base,
         RESCUE=rescue,
         DOT_F32=dot_f32,
-        FAST=fast,
+        FAST=1 if fast else (2 if fast_log else 0),
         TWO_PASS=two_pass and not fast,
         STATS=stats is not None,
         CALL=call,

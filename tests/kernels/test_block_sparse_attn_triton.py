@@ -29,6 +29,7 @@ from rbs_bench.kernels.block_sparse_attn import (  # noqa: E402
     block_sparse_attention_varlen_ref,
     expand_block_mask,
 )
+from rbs_bench.kernels.triton_util import kernel_arch  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -395,10 +396,22 @@ def _as_config(entry) -> dict:
     )  # fmt: skip
 
 
+# Every configuration either tuning space may pick, and the Hopper neighbours the variants bench
+# times; with RBS_KERNEL_ARCH=sm80 (or on a GPU before Hopper) the pointer-only ones.
 SPACE = sorted(
-    set(bsa.TUNING_SPACE)
-    | {(32, 8, s, 128, m, True, o, 128) for s in (3, 4) for m in (False, True) for o in (0, 1, 2)}
-    | {(64, 4, s, None, False, True, 0, 64) for s in (2, 3)},
+    (
+        set(bsa.HOPPER_SPACE)
+        | set(bsa.SM80_SPACE)
+        | {
+            (32, 8, s, 128, m, True, o, 128)
+            for s in (3, 4)
+            for m in (False, True)
+            for o in (0, 1, 2)
+        }
+        | {(64, 4, s, None, False, True, 0, 64) for s in (2, 3)}
+    )
+    if kernel_arch() >= 90
+    else set(bsa.SM80_SPACE),
     key=str,
 )
 

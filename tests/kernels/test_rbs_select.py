@@ -196,6 +196,13 @@ def test_rbs_select_two_pass_scores_few_blocks_exactly(branches):
     assert stats[False].tolist() == [candidates, candidates]
 
 
+# the selector variant with asynchronous wgmma (an inlined row, no register cap, two programs per
+# SM, one stage), the mean-centroid offset and the special-function unit's log2
+INLINED_UNCAPPED = dict(
+    call=False, maxnreg=None, per_sm=2, num_stages=1, offset="mean", fast_log=True
+)
+
+
 @kernel_test
 @pytest.mark.parametrize(
     "opts",
@@ -208,6 +215,8 @@ def test_rbs_select_two_pass_scores_few_blocks_exactly(branches):
         dict(call=False),
         dict(offset="mean"),
         dict(offset="mean", fast=True),
+        dict(fast_log=True),
+        INLINED_UNCAPPED,
     ],
     ids=[
         "one-pass",
@@ -218,11 +227,14 @@ def test_rbs_select_two_pass_scores_few_blocks_exactly(branches):
         "inlined",
         "mean-offset",
         "mean-offset-fast",
+        "fast-log",
+        "inlined-uncapped-fast-log",
     ],
 )
 def test_rbs_select_launch_options(opts):
     """One exact pass, one offset per row, no zero-uplift sharing, a single persistent program,
-    the row inlined, the mean-centroid offset."""
+    the row inlined, the mean-centroid offset, the approximate log2 of each block's sum (the
+    interpreter keeps the exact one), and those together uncapped."""
     case = (1, 2, 1, 600, 64, 16, torch.float16, "both", 0.22, 0.18, 2, 4, 2)  # M = 38, 3 tiles
     args, branches, near = _inputs(case, seed=5)
     count, idx = _launch(*args, None, branches, block_k=16, **opts)
@@ -389,3 +401,30 @@ def test_gpu_triton_matches_torch_bf16(n, family):
         near, eps = boundary(q, c0, uplift, 128, alphas, branches, forced)
         assert_same_sets(got.mask(), want.mask(), near, f"{name} (eps {eps:.1e})")
         assert abs(got.density() - want.density()) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "opts", [dict(fast_log=True), INLINED_UNCAPPED], ids=["fast-log", "inlined"]
+)
+@pytest.mark.parametrize("n, family", [(16384, "synthetic"), (32768, "needles")])
+def test_gpu_selector_variants_match_torch_bf16(opts, n, family):
+    """The launch variants the benchmark times select what the reference selects (blocks within
+    the fp16 dot's error of a threshold excepted)."""
+    from rbs_bench import synthetic
+
+    data = synthetic.generate(
+        1, 8, 2, n, 128, structure=synthetic.FAMILIES[family], seed=2, device="cuda",
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    q, k = data.q, data.k
+    c, r = block_stats_ref(k, 128)
+    u = r * rescue_beta_ref(r)
+    args = (q, c, u, 128, 0.22, 0.18, 2, 4, 2)
+    count, idx = _launch(*args, None, "both", **opts)
+    check_layout(count, idx)
+    count0, idx0 = rbs_select_ref(*args)
+    forced = forced_mask(c.shape[2], 2, 4, 2, q.device)
+    near, eps = boundary(q, c, u, 128, (0.22, 0.18), "both", forced)
+    assert_same_sets(lists_to_mask(count, idx), lists_to_mask(count0, idx0), near, f"eps {eps:.1e}")

@@ -1,20 +1,35 @@
 """Check, time and profile the kernels' configurations in one GPU call.
 
-    python -m rbs_bench.bench.variants --out DIR [--budget-s 300]
+    python -m rbs_bench.bench.variants --out DIR [--budget-s 300] [--parts selector]
     ncu ... --profile-from-start off python -m rbs_bench.bench.variants profile --out DIR
     ncu ... python -m rbs_bench.bench.variants profile --tuned --lengths 65536 131072
+    python -m rbs_bench.bench.variants arch --out DIR [--budget-s 540]
 
 `time` (the default): per input family (`rbs_bench.synthetic.FAMILIES`) and length, RBS is
 calibrated to 5% measured density; then every configuration of the sparse attention kernel in
 `ATTENTION_CONFIGS` is checked against an fp32 computation over the same kept blocks and timed on
 that selection (and at 128K on uniformly random blocks of the same density), next to dense cuDNN,
 and every selector variant in `SELECTOR_CONFIGS` is checked against the default one and timed,
-with the share of candidates the two-pass variant scores exactly. At 128K the sparse output's
+with the share of candidates the two-pass variant scores exactly, and, beside the autotuned
+attention kernel's time on the same selection (`kind=tuned`), its sum with that time, its
+share of the sum and the sum's speedup over dense cuDNN (`--parts selector` times the selector
+variants only). At 128K the sparse output's
 error is compared with dense SDPA's (`rbs_bench.bench.attention`). Rows go to DIR/variants.csv as
 they finish; the fastest attention configuration goes to DIR/best.json, and a table is printed
 last. `profile` runs the previous and the fastest configuration and two selector variants once
 each at 128K between cudaProfilerStart/Stop, for ncu; `profile --tuned` the autotuned attention
 kernel and the default selector at each length instead.
+
+`arch`: the Ampere tuning space (`block_sparse_attn.SM80_SPACE`, what a GPU of capability 8.x
+tunes over) on this GPU. First the gpu-marked kernel tests (tests/kernels, `--tests`) in a
+subprocess with RBS_KERNEL_ARCH=sm80, so that every kernel launches with its sm80
+configurations (their pass/fail counts and the output's tail go to DIR/arch.csv and
+DIR/arch_tests.log); then per input family and length (32K-128K by default), RBS calibrated to
+5%: the autotuned attention kernel over the Hopper space and over the Ampere space, checked
+against fp32 over the kept blocks, with the configuration each autotuner chose, each Ampere
+configuration on its own, and dense cuDNN. Rows go to DIR/arch.csv as they finish; a rerun skips
+the tests and the (family, length) cells already there, and --budget-s stops starting new ones.
+These are times on this GPU, not on an A100.
 """
 
 from __future__ import annotations
@@ -50,14 +65,35 @@ ATTENTION_CONFIGS = (
     (64, 4, 3, None, False, True, 0, 64),
     (64, 4, 2, None, False, True, 0, 64),
 )
-# rbs_select launch options; "fast" is the path the selector shipped with.
+# rbs_select launch options (`rbs_select._launch`); "default" is the shipped path: one exact
+# pass, the row a called function (168 registers, three programs of 4 warps per SM, 2 stages).
+# docs/kernels.md has what ptxas reports for each and the prediction behind it.
+_INLINED = dict(call=False, maxnreg=None, per_sm=2)  # async wgmma: no call boundary, 255 regs
 SELECTOR_CONFIGS = {
-    "fast": dict(fast=True),
-    "one-pass": dict(two_pass=False),
-    "two-pass": dict(),
-    "two-pass-2/sm": dict(per_sm=2, maxnreg=None),
-    "two-pass-8w": dict(num_warps=8, maxnreg=128, per_sm=2),
-    "two-pass-st3": dict(num_stages=3),
+    "default": dict(),
+    "fast": dict(fast=True),  # one offset per row, exact redo near overflow (the first path)
+    "two-pass": dict(two_pass=True),  # bounds first, exact scores of the live blocks only
+    "two-pass-2/sm": dict(two_pass=True, per_sm=2, maxnreg=None),
+    "mean-offset": dict(offset="mean"),  # no block-0 dot per row
+    "fast-log": dict(fast_log=True),  # lg2.approx for each block's log-sum
+    "fast-log-mean": dict(fast_log=True, offset="mean"),
+    "st1": dict(num_stages=1),
+    "inlined-2/sm": _INLINED,
+    "inlined-2/sm-st1": dict(_INLINED, num_stages=1),
+    "inlined-2/sm-st1-mean": dict(_INLINED, num_stages=1, offset="mean"),
+    "inlined-2/sm-st1-mean-fast-log": dict(_INLINED, num_stages=1, offset="mean", fast_log=True),
+    "inlined-3/sm-r168-st1-mean-fast-log": dict(
+        call=False, maxnreg=168, per_sm=3, num_stages=1, offset="mean", fast_log=True
+    ),
+    "inlined-8w-1/sm-st1-mean-fast-log": dict(
+        call=False,
+        maxnreg=None,
+        num_warps=8,
+        per_sm=1,
+        num_stages=1,
+        offset="mean",
+        fast_log=True,
+    ),  # fmt: skip
 }
 
 
@@ -77,10 +113,14 @@ def as_config(cfg) -> dict:
 
 
 class Rows:
-    """Rows written to a CSV as they come."""
+    """Rows written to a CSV as they come; with `resume`, the rows already there are kept."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, resume: bool = False):
+        import pandas as pd
+
         self.path, self.rows = path, []
+        if resume and path.exists():
+            self.rows = pd.read_csv(path).to_dict("records")
 
     def add(self, **row) -> None:
         import pandas as pd
@@ -124,7 +164,10 @@ def attention_errors(q, k, v, sel, out, blocks, rows) -> float:
     return float((out[:, :, rows].float() - ref).abs().max())
 
 
-def time_attention(rows: Rows, family, n, pattern, q, k, v, sel, density, cudnn_tf, t_end):
+def time_attention(
+    rows: Rows, family, n, pattern, q, k, v, sel, density, cudnn_tf, t_end,
+    configs=ATTENTION_CONFIGS,
+):  # fmt: skip
     """Check and time each attention configuration on one selection; the fastest's tag."""
     from rbs_bench.bench.attention import _rows, causal_flops, do_bench, sample_blocks
     from rbs_bench.kernels import block_sparse_attn as bsa
@@ -134,7 +177,7 @@ def time_attention(rows: Rows, family, n, pattern, q, k, v, sel, density, cudnn_
     rr = _rows(blocks, 128, n, q.device)
     lists = (sel.kv_count, sel.kv_indices, sel.block_q, sel.block_k)
     best = None
-    for cfg in ATTENTION_CONFIGS:
+    for cfg in configs:
         if time.monotonic() > t_end:
             print("time budget spent: attention configurations", file=sys.stderr)
             break
@@ -156,8 +199,10 @@ def time_attention(rows: Rows, family, n, pattern, q, k, v, sel, density, cudnn_
     return best
 
 
-def time_selectors(rows: Rows, family, n, q, k, selector, t_end):
-    """Check each selector variant against the default and time it (stats included)."""
+def time_selectors(rows: Rows, family, n, q, k, selector, t_end, attention_ms=None, cudnn_ms=None):
+    """Check each selector variant against the default and time it (statistics included); with
+    the tuned attention's and dense cuDNN's times, each variant's sum with the attention, its
+    share of that sum and the sum's speedup over cuDNN (the goals' three numbers)."""
     from rbs_bench.bench.attention import do_bench
     from rbs_bench.kernels.block_stats import block_stats, rescue_beta
     from rbs_bench.kernels.rbs_select import _launch
@@ -184,11 +229,29 @@ def time_selectors(rows: Rows, family, n, q, k, selector, t_end):
             print(f"selector {name}: failed ({type(e).__name__}: {str(e)[:300]})", file=sys.stderr)
             continue
         cand, exact = stats.tolist()
+        totals = {}
+        if attention_ms is not None:
+            total = ms + attention_ms
+            totals = dict(total_ms=total, share=ms / total)
+            if cudnn_ms is not None:
+                totals["x_cudnn"] = cudnn_ms / total
         rows.add(
             kind="selector", inputs=family, n=n, pattern="rbs", config=name, ms=ms,
-            differ_counts=int((got[0] != want[0]).sum()), exact_share=exact / max(cand, 1),
-            density=selector.select(q, k).density(),
+            differ_counts=int((got[0] != want[0]).sum()),
+            differ_blocks=int((got[1] != want[1]).sum()), exact_share=exact / max(cand, 1),
+            density=selector.select(q, k).density(), **totals,
         )  # fmt: skip
+
+
+def tuned_attention_ms(q, k, v, sel) -> float:
+    """The autotuned attention kernel on this selection (what a run pays), tuned first."""
+    from rbs_bench.bench.attention import do_bench
+    from rbs_bench.kernels import block_sparse_attn as bsa
+
+    lists = (sel.kv_count, sel.kv_indices, sel.block_q, sel.block_k)
+    run = lambda: bsa.block_sparse_attention(q, k, v, *lists)  # noqa: E731
+    run()
+    return do_bench(run, 100)
 
 
 def dense_ms(q, k, v, names=("sdpa_cudnn",)) -> dict:
@@ -248,16 +311,23 @@ def cmd_time(args) -> int:
         for name, ms in dense.items():
             rows.add(kind="dense", inputs=family, n=n, pattern=name, config=name, ms=ms,
                      eff_tflops=flops / ms / 1e9)  # fmt: skip
-        b = time_attention(rows, family, n, "rbs", q, k, v, sel, density, cudnn_tf, t_end)
-        if b is not None:
-            best[f"{family}-{n}"] = (tag(b[0]), b[1], list(b[0]))
-        time_selectors(rows, family, n, q, k, selector, t_end)
-        if n == LONG and family == args.inputs[0] and time.monotonic() < t_end:
+        if "attention" in args.parts:
+            b = time_attention(rows, family, n, "rbs", q, k, v, sel, density, cudnn_tf, t_end)
+            if b is not None:
+                best[f"{family}-{n}"] = (tag(b[0]), b[1], list(b[0]))
+        if "selector" in args.parts:
+            att_ms = tuned_attention_ms(q, k, v, sel)
+            rows.add(kind="tuned", inputs=family, n=n, pattern="rbs", config="autotuned",
+                     ms=att_ms, eff_tflops=density * flops / att_ms / 1e9)  # fmt: skip
+            time_selectors(rows, family, n, q, k, selector, t_end, att_ms, dense["sdpa_cudnn"])
+        first = family == args.inputs[0]
+        if "attention" in args.parts and n == LONG and first and time.monotonic() < t_end:
             rnd = random_selection(n, SHAPE["heads"], density, seed=3)
             dens = rnd.density()
             time_attention(rows, family, n, "random", q, k, v, rnd, dens, cudnn_tf, t_end)
-        if n == LONG and time.monotonic() < t_end:
-            cfgs = list(dict.fromkeys([ATTENTION_CONFIGS[0]] + ([tuple(b[0])] if b else [])))
+        if n == LONG and "attention" in args.parts and time.monotonic() < t_end:
+            b = best.get(f"{family}-{n}")
+            cfgs = list(dict.fromkeys([ATTENTION_CONFIGS[0]] + ([tuple(b[2])] if b else [])))
             errors(rows, family, n, q, k, v, sel, cfgs)
         (out / "best.json").write_text(json.dumps(best, indent=1))
         del q, k, v, sel
@@ -286,8 +356,20 @@ def summary(rows: Rows) -> None:
             print(
                 sub.pivot_table(index="config", columns=["inputs", "n", "pattern"], values=cols[2])
             )
-        else:
-            print(sub.pivot_table(index="config", columns=["inputs", "n"], values=cols[1]))
+            continue
+        print("differing counts (rows whose kept count differs from the default's):")
+        print(sub.pivot_table(index="config", columns=["inputs", "n"], values=cols[2]))
+        if "share" in sub:
+            print("share of selector + tuned attention; speedup of that sum over SDPA-cuDNN")
+            print("(goals at 128K: selector <= 2.0 ms, share <= 0.12, speedup >= 15):")
+            both = sub.pivot_table(index="config", columns=["inputs", "n"], values="share")
+            print(
+                both.round(3).astype(str)
+                + " / x"
+                + sub.pivot_table(index="config", columns=["inputs", "n"], values="x_cudnn")
+                .round(2)
+                .astype(str)
+            )
     err = df[df["kind"] == "errors"]
     if not err.empty:
         print("\nerrors at 128K:")
@@ -346,20 +428,167 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def arch_tests(rows: Rows, out: Path, tests: list[str], timeout_s: float) -> None:
+    """The gpu-marked tests with RBS_KERNEL_ARCH=sm80, in a fresh Python; one row."""
+    import os
+    import re
+    import subprocess
+
+    from rbs_bench.kernels.triton_util import ARCH_ENV
+
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *tests]
+    env = dict(os.environ, **{ARCH_ENV: "sm80"})
+    start = time.monotonic()
+    try:
+        res = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=max(timeout_s, 1.0)
+        )
+        log, rc = res.stdout + res.stderr, res.returncode
+    except subprocess.TimeoutExpired as e:
+        log, rc = f"{e.stdout or ''}\ntimed out after {timeout_s:.0f} s", -1
+    (out / "arch_tests.log").write_text(log if isinstance(log, str) else log.decode())
+    counts = {
+        k: int(m.group(1)) if (m := re.search(rf"(\d+) {k}", str(log))) else 0
+        for k in ("passed", "failed", "skipped", "error")
+    }
+    rows.add(
+        kind="tests", inputs="-", n=0, pattern=f"{ARCH_ENV}=sm80", config=" ".join(tests), rc=rc,
+        seconds=time.monotonic() - start, **counts,
+    )  # fmt: skip
+    print("\n".join(str(log).strip().splitlines()[-15:]), flush=True)
+
+
+def time_spaces(rows: Rows, family, n, q, k, v, sel, density, cudnn_tf) -> None:
+    """The autotuned attention kernel over each tuning space, checked against fp32."""
+    from rbs_bench.bench.attention import _rows, causal_flops, do_bench, sample_blocks
+    from rbs_bench.kernels import block_sparse_attn as bsa
+
+    flops = density * causal_flops(n, q.shape[1], q.shape[3])
+    blocks = sample_blocks(n, 128, 4, seed=1)
+    rr = _rows(blocks, 128, n, q.device)
+    lists = (sel.kv_count, sel.kv_indices, sel.block_q, sel.block_k)
+    tma = bsa._tma_ok(k, v)  # this process runs with the GPU's own architecture
+    for name, space in (("hopper", bsa.HOPPER_SPACE), ("sm80", bsa.SM80_SPACE)):
+        run = lambda space=space: bsa._launch(q, k, v, *lists, None, False, None, space=space)
+        try:
+            out = run()  # tunes at this length
+            err = attention_errors(q, k, v, sel, out, blocks, rr)
+            ms = do_bench(run, 100)
+            usable = tuple(c for c in space if tma or not c[5]) or bsa.POINTER_SPACE
+            tuned = bsa._tuned_kernel(sel.block_q, sel.block_k, usable)
+            chosen = str(getattr(tuned, "best_config", ""))
+        except Exception as e:
+            print(f"space {name}: failed ({type(e).__name__}: {str(e)[:300]})", file=sys.stderr)
+            rows.add(kind="space", inputs=family, n=n, pattern="rbs", config=name,
+                     error=f"{type(e).__name__}: {str(e)[:200]}")  # fmt: skip
+            continue
+        tf = flops / ms / 1e9
+        rows.add(
+            kind="space", inputs=family, n=n, pattern="rbs", config=name, ms=ms, eff_tflops=tf,
+            pct_cudnn=tf / cudnn_tf, density=density, err_vs_fp32=err, chosen=chosen,
+        )  # fmt: skip
+
+
+def cmd_arch(args) -> int:
+    """The Ampere tuning space on this GPU: the kernel tests with it forced, then its times
+    beside the Hopper space's (module docstring)."""
+    import os
+
+    from rbs_bench.kernels import block_sparse_attn as bsa
+    from rbs_bench.kernels.triton_util import ARCH_ENV, kernel_arch
+
+    os.environ.pop(ARCH_ENV, None)  # this process times both spaces; the tests force sm80
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = Rows(out / "arch.csv", resume=True)
+    done = {
+        (r["kind"], r["inputs"], int(r["n"])) for r in rows.rows if r["kind"] in ("tests", "done")
+    }
+    t_end = time.monotonic() + args.budget_s
+    import triton
+
+    env = dict(
+        gpu=torch.cuda.get_device_name(), arch=kernel_arch(), torch=torch.__version__,
+        triton=triton.__version__,
+    )  # fmt: skip
+    (out / "arch_env.json").write_text(json.dumps(env, indent=1))
+    print(env, flush=True)
+    if ("tests", "-", 0) not in done and args.tests:
+        arch_tests(rows, out, args.tests, t_end - time.monotonic())
+    for family, n in [(f, n) for n in args.lengths for f in args.inputs]:
+        if ("done", family, n) in done:
+            continue
+        if time.monotonic() > t_end:
+            print(f"time budget spent; rerun to continue ({rows.path})", flush=True)
+            break
+        q, k, v, _selector, sel, density = setup(family, n)
+        dense = dense_ms(q, k, v)
+        flops = 4.0 * SHAPE["heads"] * SHAPE["head_dim"] * n * (n + 1) / 2
+        cudnn_tf = flops / dense["sdpa_cudnn"] / 1e9
+        rows.add(kind="dense", inputs=family, n=n, pattern="sdpa_cudnn", config="sdpa_cudnn",
+                 ms=dense["sdpa_cudnn"], eff_tflops=cudnn_tf)  # fmt: skip
+        time_spaces(rows, family, n, q, k, v, sel, density, cudnn_tf)
+        time_attention(
+            rows, family, n, "rbs", q, k, v, sel, density, cudnn_tf, t_end, bsa.SM80_SPACE
+        )
+        rows.add(kind="done", inputs=family, n=n, pattern="-", config="-")
+        del q, k, v, sel
+        torch.cuda.empty_cache()
+    arch_summary(rows)
+    failed = [r for r in rows.rows if r["kind"] == "tests" and (r["rc"] != 0)]
+    return 1 if failed else 0
+
+
+def arch_summary(rows: Rows) -> None:
+    import pandas as pd
+
+    df = pd.DataFrame(rows.rows)
+    if df.empty:
+        return
+    pd.set_option("display.width", 200)
+    tests = df[df["kind"] == "tests"]
+    for _, r in tests.iterrows():
+        print(
+            f"\ngpu tests with {r['pattern']}: rc {r['rc']}, {r['passed']} passed, "
+            f"{r['failed']} failed, {r['skipped']} skipped, {r['error']} errors "
+            f"({r['seconds']:.0f} s; arch_tests.log)"
+        )
+    spaces = df[df["kind"] == "space"]
+    if not spaces.empty and "ms" in spaces:
+        print("\nautotuned attention, ms (pct of cuDNN):")
+        table = spaces.pivot_table(index=["inputs", "n"], columns="config", values="ms")
+        pct = spaces.pivot_table(index=["inputs", "n"], columns="config", values="pct_cudnn")
+        print(table.round(3).astype(str) + " (" + (100 * pct).round(1).astype(str) + "%)")
+    att = df[df["kind"] == "attention"]
+    if not att.empty:
+        print("\nAmpere configurations, ms:")
+        print(att.pivot_table(index="config", columns=["inputs", "n"], values="ms").round(3))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", nargs="?", default="time", choices=["time", "profile"])
+    ap.add_argument("mode", nargs="?", default="time", choices=["time", "profile", "arch"])
     ap.add_argument("--out", default="variants_out")
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--lengths", type=int, nargs="+", default=[131072, 65536, 32768])
+    ap.add_argument(
+        "--tests", nargs="*", default=["tests/kernels"],
+        help="arch: the test paths run with RBS_KERNEL_ARCH=sm80 (none: skip them)",
+    )  # fmt: skip
     ap.add_argument("--inputs", nargs="+", default=["synthetic", "needles"])
     ap.add_argument(
         "--tuned", action="store_true", help="profile: the autotuned kernel at each length"
     )
+    ap.add_argument(
+        "--parts", nargs="+", default=["attention", "selector"], choices=["attention", "selector"],
+        help="time: the attention configurations, the selector variants, or both",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("rbs-bench: error: the kernel variants need a CUDA device", file=sys.stderr)
         return 2
+    if args.mode == "arch":
+        return cmd_arch(args)
     return cmd_time(args) if args.mode == "time" else cmd_profile(args)
 
 

@@ -1,0 +1,75 @@
+"""Which architecture's tuned configurations the kernels launch with (`kernel_arch`,
+RBS_KERNEL_ARCH), checked without a GPU by standing in for torch's device queries."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from rbs_bench.kernels import block_sparse_attn as bsa
+from rbs_bench.kernels import fp8_gemm, triton_util
+from rbs_bench.kernels.triton_util import ARCH_ENV, kernel_arch
+
+
+@pytest.fixture
+def gpu(monkeypatch):
+    """A fake CUDA device of the capability the test sets (`gpu(9, 0)`)."""
+    monkeypatch.delenv(ARCH_ENV, raising=False)
+
+    def set_capability(major, minor):
+        triton_util._capability.cache_clear()
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (major, minor))
+
+    yield set_capability
+    triton_util._capability.cache_clear()
+
+
+def test_cpu_tensors_have_no_gpu_architecture():
+    assert kernel_arch("cpu") == 0
+    assert kernel_arch(torch.device("cpu")) == 0
+
+
+@pytest.mark.parametrize("cap, want", [((9, 0), 90), ((8, 0), 80), ((8, 9), 89), ((10, 0), 100)])
+def test_the_gpus_own_architecture(gpu, cap, want):
+    gpu(*cap)
+    assert kernel_arch() == want == kernel_arch("cuda") == kernel_arch(torch.device("cuda", 0))
+
+
+def test_an_older_architecture_can_be_forced(gpu, monkeypatch):
+    gpu(9, 0)
+    monkeypatch.setenv(ARCH_ENV, "sm80")
+    assert kernel_arch("cuda") == 80
+    monkeypatch.setenv(ARCH_ENV, "auto")
+    assert kernel_arch("cuda") == 90
+
+
+@pytest.mark.parametrize("value, message", [("sm90", "newer architecture"), ("a100", "not one")])
+def test_bad_forcing_is_one_line(gpu, monkeypatch, value, message):
+    gpu(8, 0)
+    monkeypatch.setenv(ARCH_ENV, value)
+    with pytest.raises(ValueError, match=message) as err:
+        kernel_arch("cuda")
+    assert "\n" not in str(err.value)
+
+
+def test_tuning_spaces_follow_the_architecture(gpu, monkeypatch):
+    gpu(9, 0)
+    assert bsa.tuning_space("cuda") is bsa.HOPPER_SPACE
+    assert fp8_gemm.tuning_space("cuda") is fp8_gemm.HOPPER_SPACE
+    monkeypatch.setenv(ARCH_ENV, "sm80")
+    assert bsa.tuning_space("cuda") is bsa.SM80_SPACE
+    assert fp8_gemm.tuning_space("cuda") is fp8_gemm.ADA_SPACE
+    gpu(8, 0)
+    monkeypatch.delenv(ARCH_ENV)
+    assert bsa.tuning_space("cuda") is bsa.SM80_SPACE
+
+
+def test_the_ampere_space_is_pointer_only_and_uncapped():
+    """No TMA descriptors and no register caps (which spill on sm_80), and tiles within an
+    A100's 164 KB of shared memory: (K + V tiles) x stages + the query tile, bf16, D = 128."""
+    assert bsa.SM80_SPACE and len(set(bsa.SM80_SPACE)) == len(bsa.SM80_SPACE)
+    for bn, _warps, stages, maxnreg, _merge, tma, order, bm in bsa.SM80_SPACE:
+        assert not tma and maxnreg is None and order in (0, 1, 2)
+        assert (2 * bn * 128 * 2) * stages + bm * 128 * 2 <= 164 * 1024
+    assert any(c[5] for c in bsa.HOPPER_SPACE)  # TMA only in the Hopper space
