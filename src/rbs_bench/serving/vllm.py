@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from rbs_bench.config import UserError
+from rbs_bench.errors import UserError
 from rbs_bench.serving.prefill import ENV_VAR, PrefillSpec, StepStats, sparse_prefill, summarize
 
 MODULE = "rbs_bench.serving.vllm"  # class paths handed to vLLM (this file may run as __main__)
