@@ -1,13 +1,14 @@
 """The paper's values file agrees with the paper, and tables are rebuilt from run records alone."""
 
 import csv
+import json
 import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from rbs_bench.records import RecordStore
+from rbs_bench.records import RecordStore, seal
 from rbs_bench.report import load_records, summarize
 from rbs_bench.tables import build, layout, paper
 
@@ -507,8 +508,8 @@ def test_recall_column_and_oracle_row_appear_when_runs_recorded_them(tmp_path):
     _put(tmp_path, "tiny", "oracle", "d5", 0.05, 4096, [100, 100], [0.05, 0.05])
     for method, budget, recall in (("rbs", "d5", 0.5), ("oracle", "d5", 0.9)):
         path = tmp_path / "runs" / "ruler_budget" / "tiny" / method / budget / "records.jsonl"
-        lines = path.read_text().splitlines()
-        path.write_text("".join(ln[:-1] + f', "recall": {recall}}}\n' for ln in lines))
+        recs = [seal(json.loads(ln) | {"recall": recall}) for ln in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))  # as if recorded so
     out = tmp_path / "tables"
     assert (
         build.main(["--results", str(tmp_path), "--out", str(out), "--paper-values", str(VALUES)])
