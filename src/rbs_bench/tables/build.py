@@ -15,12 +15,7 @@ from rbs_bench.errors import UserError
 from rbs_bench.records import write_atomic
 from rbs_bench.report import load_records
 from rbs_bench.tables import timing
-from rbs_bench.tables.paper import (
-    PaperValues,
-    check_paper_values,
-    paper_values_csv,
-    paper_values_from_tex,
-)
+from rbs_bench.tables.paper import PaperValues
 from rbs_bench.tables.render import Table, to_latex, to_markdown
 from rbs_bench.tables.specs import LOADERS, SPECS, SUMMARY
 
@@ -82,19 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--paper-values", type=Path, default=None, help="default: <results>/paper/paper_values.csv"
     )
-    ap.add_argument("--paper-tex", type=Path, help="check the values file against this source")
-    ap.add_argument("--write-paper-values", action="store_true", help="with --paper-tex")
     args = ap.parse_args(argv)
     values = args.paper_values or paths.paper_values_file(args.results)
     try:
-        if args.paper_tex:
-            if args.write_paper_values:
-                write_atomic(values, paper_values_csv(paper_values_from_tex(args.paper_tex)))
-                print(f"wrote {values}")
-                return 0
-            diffs = check_paper_values(args.paper_tex, values)
-            print("\n".join(diffs) or f"{values} agrees with {args.paper_tex}")
-            return 1 if diffs else 0
         out = args.out or paths.tables_dir(args.results)
         written = build_tables(args.results, out, values)
         written += build_timing_tables(args.results, out)
