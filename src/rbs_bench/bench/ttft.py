@@ -1084,7 +1084,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sdpa-backend", default=d.sdpa_backend, choices=SDPA_BACKENDS)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", type=Path, default=Path("results/speed"))
+    ap.add_argument("--out", type=Path, default=speed_dir("results"))
     ap.add_argument(
         "--time-budget-s",
         type=float,
