@@ -625,7 +625,10 @@ def run(cfg, experiment: str) -> Path:
     if not ocfg.synthetic:
         from rbs_bench.models import identity
 
-        fingerprint["model"] = identity(cfg.model)
+        try:
+            fingerprint["model"] = identity(cfg.model)
+        except ValueError as e:  # a local model's damaged files (models.weights_digest)
+            raise UserError(str(e)) from None
         fingerprint["benchmark"] = {"name": cfg.benchmark.name, "task": cfg.benchmark.tasks[0]}
     fingerprint = json.loads(json.dumps(fingerprint, default=str))
     if (out_dir / paths.CELL_FILE).exists():  # refuse to mix settings before any work is done
