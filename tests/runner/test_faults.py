@@ -61,6 +61,10 @@ class Outcome:
         return [ln for ln in self.err.splitlines() if ln.startswith(PREFIX)]
 
 
+# The capsys of the running test (test_fault sets it): each call reads what it printed.
+_CAPSYS = None
+
+
 def _cli(entry: str, argv: list[str], *, run: bool = True) -> Outcome:
     """Run an entry point's main() as `python -m <entry> <argv>`; `run=False` fails the row if
     the command gets past its up-front checks (the Hydra job would start)."""
@@ -72,43 +76,28 @@ def _cli(entry: str, argv: list[str], *, run: bool = True) -> Outcome:
         "rbs_bench.report": lambda: sys.exit(report.main(argv)),
         "rbs_bench.figures": lambda: sys.exit(figures.main(argv)),
     }[entry]
+    if _CAPSYS is not None:
+        _CAPSYS.readouterr()  # what came before this command is not its output
     mp = pytest.MonkeyPatch()
-    capture = _Capture()
+    raised = ""
     try:
         mp.setattr(sys, "argv", [entry, *argv])
         mp.setattr(config, "COMMAND_OVERRIDES", None)
         if not run:
             mp.setattr(run_main, "_hydra_main", lambda: pytest.fail("passed the checks"))
             mp.setattr(calibrate, "_hydra_main", lambda: pytest.fail("passed the checks"))
-        with capture:
-            try:
-                main()
-                status = 0
-            except SystemExit as e:
-                status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except Exception as e:  # noqa: BLE001 - a traceback is what the row must not give
-                status = "raised"
-                print(f"Traceback: {type(e).__name__}: {e}", file=sys.stderr)
+        try:
+            main()
+            status = 0
+        except SystemExit as e:
+            status = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except Exception as e:  # noqa: BLE001 - a traceback is what the row must not give
+            status, raised = "raised", f"Traceback: {type(e).__name__}: {e}\n"
     finally:
         mp.undo()
         HydraConfig.instance().cfg = None  # a finished job's overrides are not the next one's
-    return Outcome(status, capture.out, capture.err)
-
-
-class _Capture:
-    """sys.stdout / sys.stderr into strings (capsys cannot be re-entered per call)."""
-
-    def __enter__(self):
-        import io
-
-        self._saved = sys.stdout, sys.stderr
-        sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
-        return self
-
-    def __exit__(self, *exc):
-        self.out, self.err = sys.stdout.getvalue(), sys.stderr.getvalue()
-        sys.stdout, sys.stderr = self._saved
-        return False
+    out, err = _CAPSYS.readouterr() if _CAPSYS is not None else ("", "")
+    return Outcome(status, out, err + raised)
 
 
 def _one_line(got: Outcome, *fragments: str) -> str:
@@ -511,5 +500,6 @@ ROWS: dict[str, Callable] = {
 
 
 @pytest.mark.parametrize("row", list(ROWS))
-def test_fault(row, tmp_path, fresh, recorded):
+def test_fault(row, tmp_path, fresh, recorded, capsys, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "_CAPSYS", capsys)
     ROWS[row](tmp_path, fresh, recorded)
