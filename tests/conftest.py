@@ -88,12 +88,12 @@ def within(values: torch.Tensor, cuts, eps) -> torch.Tensor:
 
 
 def assert_same_sets(got, want, near, what="", share=0.02, floor=3, first=0, pairs=None):
-    """got and want (bool [B, H, M, M] selections) agree outside `near`, the blocks within
+    """got and want (bool [..., M, M] selections) agree outside `near`, the blocks within
     rounding of a threshold, and those are few: at most max(floor, share * pairs), with `pairs`
-    the candidate pairs, by default the (i, j) with first <= j < i of every batch and head."""
-    b, h, m, _ = got.shape
+    the candidate pairs, by default the (i, j) with first <= j < i of every leading index."""
+    m = got.shape[-1]
     if pairs is None:
-        pairs = b * h * (m - first) * (m - first - 1) // 2
+        pairs = got[..., 0, 0].numel() * (m - first) * (m - first - 1) // 2
     excepted = int(near.sum())
     assert excepted <= max(floor, share * max(1, pairs)), f"{excepted} boundary blocks {what}"
     differ = (got != want) & ~near
