@@ -1,4 +1,4 @@
-"""Helpers the tests share, defined once: structured q/k inputs, the comparison of two selections
+"""What the tests share, defined once: structured q/k inputs, the comparison of two selections
 as sets with near-threshold blocks excepted, and the test of which blocks lie near a threshold.
 
 Test modules import them as `from conftest import structured_qk, assert_same_sets, within`
