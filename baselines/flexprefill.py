@@ -74,7 +74,8 @@ from rbs_bench.kernels.flexprefill_select import (
     sqrt_jsd,
     supported,
 )
-from rbs_bench.kernels.vertical_slash_attn import check_qk, coverage_count, top_mask
+from rbs_bench.kernels.shapes import check_qk
+from rbs_bench.kernels.vertical_slash_attn import coverage_count, top_mask
 from torch import Tensor
 
 from rbs_bench.methods.info import FastPath, MethodInfo

@@ -26,20 +26,14 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
+from .shapes import check_qk
 from .triton_util import check_triton_launch, jit, tl, triton
 
 CHUNK = 1024  # query rows per chunk of the reference
 
 
 def _check_qk(q: Tensor, k: Tensor, block_size: int) -> None:
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
-        )
+    check_qk(q, k)
     if not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
 

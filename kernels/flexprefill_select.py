@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .shapes import check_qk
 from .triton_util import check_triton_launch, jit, tl, triton
 from .vertical_slash_attn import (
     _estimate,
-    check_qk,
     coverage_count,
     coverage_select,
     estimate_supported,

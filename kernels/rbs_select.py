@@ -612,74 +612,12 @@ def _select_row(
 
 _select_row_inlined = jit(_select_row.fn) if triton is not None else _select_row
 
-
-@jit
-def _rbs_select_kernel(
-    Q,
-    C,
-    Cmean,
-    U,
-    Inv,
-    Zc,
-    Scratch,
-    LiveScratch,
-    Count,
-    Index,
-    Stats,
-    stride_qb,
-    stride_qh,
-    stride_qn,
-    stride_qd,
-    stride_cb,
-    stride_ch,
-    stride_cm,
-    stride_cd,
-    stride_mb,
-    stride_mh,
-    stride_md,
-    stride_ub,
-    stride_uh,
-    stride_um,
-    stride_vb,
-    stride_vh,
-    stride_vm,
-    stride_zb,
-    stride_zh,
-    stride_zm,
-    stride_nb,
-    stride_nh,
-    stride_nm,
-    stride_ib,
-    stride_ih,
-    stride_im,
-    stride_ik,
-    n_ctx,
-    m_blocks,
-    batch_heads,
-    heads,
-    group,
-    block_size,
-    d_head,
-    qk_scale,  # scale * log2(e): scores in log2 units
-    log2_alpha_base,
-    log2_alpha_rescue,
-    sink_blocks,
-    window_blocks,
-    last_q_blocks,
-    scored_from,  # sink_blocks + max(window_blocks, 1): rows below it have only forced candidates
-    BASE: tl.constexpr,
-    RESCUE: tl.constexpr,
-    DOT_F32: tl.constexpr,
-    FAST: tl.constexpr,
-    TWO_PASS: tl.constexpr,
-    STATS: tl.constexpr,
-    CALL: tl.constexpr,
-    OFF_MEAN: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-):
+# The persistent kernel takes the row's parameters, written once in `_select_row`'s signature:
+# the program's scratch (Scratch, LiveScratch) in place of the row's slices of it, and CALL (the
+# row as a called function, or inlined into the loop) in place of the row index w.
+_ROW_ONLY = ("w", "S0", "S1", "S2", "S3", "Live")
+_PERSISTENT = """
+def _rbs_select_kernel({params}):
     # Persistent: program p takes rows p, p + P, ... of the (query block, batch x head) list,
     # longest rows first; its scratch holds one row's scores (and with TWO_PASS their bounds
     # and the live list) at a time. The row is a called function so that its loop invariants
@@ -691,75 +629,36 @@ def _rbs_select_kernel(
     S3 = S2 + BLOCK_M
     Live = LiveScratch + pid * BLOCK_M
     for w in range(tl.program_id(0), m_blocks * batch_heads, tl.num_programs(0)):
-        (_select_row if CALL else _select_row_inlined)(
-            w,
-            Q,
-            C,
-            Cmean,
-            U,
-            Inv,
-            Zc,
-            S0,
-            S1,
-            S2,
-            S3,
-            Live,
-            Count,
-            Index,
-            Stats,
-            stride_qb,
-            stride_qh,
-            stride_qn,
-            stride_qd,
-            stride_cb,
-            stride_ch,
-            stride_cm,
-            stride_cd,
-            stride_mb,
-            stride_mh,
-            stride_md,
-            stride_ub,
-            stride_uh,
-            stride_um,
-            stride_vb,
-            stride_vh,
-            stride_vm,
-            stride_zb,
-            stride_zh,
-            stride_zm,
-            stride_nb,
-            stride_nh,
-            stride_nm,
-            stride_ib,
-            stride_ih,
-            stride_im,
-            stride_ik,
-            n_ctx,
-            m_blocks,
-            batch_heads,
-            heads,
-            group,
-            block_size,
-            d_head,
-            qk_scale,
-            log2_alpha_base,
-            log2_alpha_rescue,
-            sink_blocks,
-            window_blocks,
-            last_q_blocks,
-            scored_from,
-            BASE,
-            RESCUE,
-            DOT_F32,
-            FAST,
-            TWO_PASS,
-            STATS,
-            OFF_MEAN,
-            BLOCK_Q,
-            BLOCK_K,
-            BLOCK_D,
-            BLOCK_M,
-        )
+        (_select_row if CALL else _select_row_inlined)({args})
+"""
+
+
+def _persistent_kernel(row):
+    """`_rbs_select_kernel`, the persistent loop around `row` (`_select_row`), built from the
+    row's signature so that its ~60 parameters are written in one place. Triton compiles a
+    kernel from its source text, so the text is registered with `linecache` under a name of
+    this file, where `inspect` (and through it Triton) finds it."""
+    import inspect
+    import linecache
+
+    sig = inspect.signature(getattr(row, "fn", row))
+    names = list(sig.parameters)
+    constexpr = {n for n, p in sig.parameters.items() if "constexpr" in str(p.annotation)}
+    params = []
+    for name in names:
+        if name == "S0":
+            params += ["Scratch", "LiveScratch"]
+        elif name not in _ROW_ONLY:
+            params.append(f"{name}: tl.constexpr" if name in constexpr else name)
+    params.append("CALL: tl.constexpr")
+    src = _PERSISTENT.format(params=", ".join(params), args=", ".join(names))
+    filename = f"{__file__}:_rbs_select_kernel"
+    linecache.cache[filename] = (len(src), None, src.splitlines(keepends=True), filename)
+    exec(compile(src, filename, "exec"), globals())  # defines the plain function here
+    return jit(globals()["_rbs_select_kernel"])
+
+
+_rbs_select_kernel = _persistent_kernel(_select_row)
 
 
 _SM_COUNT: dict = {}

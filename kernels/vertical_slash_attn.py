@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .shapes import check_qk
 from .triton_util import check_triton_launch, jit, tl, triton
 
 
@@ -1195,18 +1196,6 @@ def vertical_slash_attention_flex(
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention)
     return _compiled_flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)
-
-
-def check_qk(q: Tensor, k: Tensor) -> None:
-    """q [B, Hq, N, D] and k [B, Hkv, N, D] with Hq a multiple of Hkv, or ValueError."""
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
-        )
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from .block_masks import compact_mask
+from .shapes import check_qk
 from .triton_util import check_triton_launch, jit, tl, triton
 
 # Elements of the [B, Hq, rows, cols] reshaped-logit tile the reference builds at once.
@@ -345,14 +346,7 @@ def _xattn_keep_kernel(
 
 
 def _check_inputs(q: Tensor, k: Tensor, block_size: int, stride: int) -> None:
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
-        )
+    check_qk(q, k)
     if not supported(block_size, stride, q.shape[2]):
         raise ValueError(
             f"xattn_select needs block_size / stride a power of two <= 128 and at most "

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 import rbs_bench
 
@@ -155,3 +159,26 @@ def test_layers_import_only_from_the_layers_above():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# Modules that read files only: importing one must load neither torch nor Triton (errors.py
+# holds UserError for them, paths.py the results layout).
+LIGHT = (
+    "rbs_bench.errors",
+    "rbs_bench.paths",
+    "rbs_bench.records",
+    "rbs_bench.loggers",
+    "rbs_bench.tables",
+    "rbs_bench.tables.paper",
+)
+
+
+@pytest.mark.parametrize("module", LIGHT)
+def test_reading_records_loads_neither_torch_nor_triton(module):
+    code = (
+        f"import sys, {module}\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton'))\n"
+        "print(len(heavy), heavy[:5])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("0 "), f"import {module} loaded {out.stdout.strip()}"

@@ -19,12 +19,14 @@ from rbs_bench.checks import check_cell, preflight
 from rbs_bench.config import (
     CONFIG_MODULE,
     grid_overrides,
+    out_of_time,
     reference_cells,
     register_schemas,
     report_user_errors,
     validate,
 )
 from rbs_bench.models.memory import use_expandable_segments
+from rbs_bench.paths import SUMMARY
 
 register_schemas()
 
@@ -65,14 +67,26 @@ def run(cfg: DictConfig) -> None:
         check_cell(cell, experiment)  # every cell, before the first one loads a model
     logger = make_logger(cfg, experiment_dir(cfg, experiment), experiment)
     session = Session()
-    for cell in cells:
+    for i, cell in enumerate(cells):
+        if out_of_time(cell):
+            print(
+                f"time_budget_s={cell.time_budget_s:g} reached with {len(cells) - i} of "
+                f"{len(cells)} cells to run; rerun the same command to continue (finished "
+                "samples are kept)"
+            )
+            break
         run_cell(cell, experiment, session, logger)
     exp_dir = experiment_dir(cfg, experiment)
-    report.write_summary(exp_dir)
+    overall = report.write_summary(exp_dir)
     logger.log_summary(exp_dir)
     logger.finish()
-    print(f"summary: {exp_dir / 'summary.md'}")
-    print((exp_dir / "summary.md").read_text().split("\n## ")[0])
+    if overall is None:  # no record yet: a time budget spent first says so already
+        if not out_of_time(cfg):
+            print(f"{exp_dir}: no run records yet, so no summary")
+        return
+    summary = exp_dir / SUMMARY
+    print(f"summary: {summary}")
+    print(summary.read_text().split("\n## ")[0])
 
 
 @hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")

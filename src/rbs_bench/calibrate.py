@@ -38,17 +38,24 @@ from tqdm import tqdm
 
 from rbs_bench import benchmarks, models
 from rbs_bench.budget import MAX_STEPS, KnobSearch, LayerCurves, Unreachable
-from rbs_bench.calibrations import calibration_path, entry_problem, find_entry, setting, store
+from rbs_bench.calibrations import (
+    calibration_path,
+    entry_problem,
+    find_entry,
+    provenance_problem,
+    setting,
+    store,
+)
 from rbs_bench.checks import check_cell, preflight
 from rbs_bench.config import (
     CONFIG_MODULE,
-    UserError,
     grid_overrides,
     out_of_time,
     register_schemas,
     report_user_errors,
     validate,
 )
+from rbs_bench.errors import UserError
 from rbs_bench.execution import resolve_executor
 from rbs_bench.models.memory import use_expandable_segments
 from rbs_bench.session import Session, build_selector, check_benchmark, input_ids
@@ -173,7 +180,8 @@ def calibrate_cell(cfg, session) -> dict | None:
     old = find_entry(cfg, base)
     if (
         old is not None
-        and entry_problem(old, cfg.calibration.tolerance) is None  # else it is redone
+        and provenance_problem(old, cfg) is None  # an edited or foreign entry is redone
+        and entry_problem(old, cfg.calibration.tolerance) is None  # and so is a poor one
         # met the tolerance, or was the closest reachable under this same tolerance (the density
         # steps over the target): either way a rerun would find the same knob
         and (

@@ -4,38 +4,100 @@ setting, in `<calibration.dir>/<model>/<method>.yaml`.
 One entry per target and setting (the method's fields other than its knob, and the calibration
 prompts' benchmark, task and length), with the knob, mean/p50/p90 density over the prompts, the
 achieved error and the cost (seconds, model forwards, prompts, device). `budget=<name>` in a run
-reads the entry of its own setting (`load_knob`), and uses it only if its density lies within its
-tolerance of its target (`entry_problem`). Writers hold the lock
-`<calibration.dir>/<model>/<method>.yaml.lock` (filelock: `flock`, see records.py) while they
-re-read, merge and replace the file, so parallel calibrations of one method keep every entry.
-The search that makes an entry is `budget.KnobSearch`, driven by calibrate.py.
+reads the entry of its own setting (`load_knob`) and uses it only if
+
+- it is the entry that was written: every entry carries `model_identity` (the model config it was
+  measured with, as run records carry it) and `digest`, a digest of its target, knob, density,
+  error, tolerance, prompt count, setting and model identity (`entry_digest`), so an entry whose
+  knob or density was edited, or one copied from another model config, is refused with the
+  command that recalibrates it (`provenance_problem`);
+- its density lies within the run's `calibration.tolerance` of its target, or it is the closest
+  density the search could reach (`entry_problem`); an entry's own tolerance never widens the
+  run's.
+
+Writers hold the lock `<calibration.dir>/<model>/<method>.yaml.lock` (filelock: `flock`, see
+records.py) while they re-read, merge and replace the file (keeping its permissions), so parallel
+calibrations of one method keep every entry. The search that makes an entry is
+`budget.KnobSearch`, driven by calibrate.py.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-import os
 import shlex
-import tempfile
 from pathlib import Path
 
 import yaml
 from filelock import FileLock
 from omegaconf import OmegaConf
 
-from rbs_bench import config
+from rbs_bench import config, paths
 from rbs_bench.budget import knob_fields
-from rbs_bench.config import UserError, group_options
-from rbs_bench.models import weights_digest
+from rbs_bench.config import group_options
+from rbs_bench.errors import UserError
+from rbs_bench.models import identity, weights_digest
+from rbs_bench.records import write_atomic
 
 IGNORED_FIELDS = ("impl",)  # fields that change how, not what, a method selects
 # The farthest an entry the search could not bring within its tolerance (the density steps over
 # the target) may lie from its target and still be used for it (entry_problem).
 CLOSEST_SLACK = 0.01
+# What an entry's digest covers: what it was measured with and what it found.
+DIGEST_FIELDS = (
+    "target",
+    "knob_name",
+    "knob",
+    "density_mean",
+    "abs_error",
+    "tolerance",
+    "prompts",
+    "setting",
+    "model_identity",
+)
+# Model fields that do not change a measured density: left out of an entry's model identity.
+NOT_MEASURED = ("max_context",)
+# Entry fields and the types they must have (None: optional); a file that breaks them is refused.
+_NUMBER = (int, float)
+ENTRY_SCHEMA = {
+    "target": (_NUMBER, True),
+    "knob": (_NUMBER, True),
+    "knob_name": ((str,), True),
+    "density_mean": (_NUMBER, True),
+    "abs_error": (_NUMBER, True),
+    "tolerance": (_NUMBER, False),
+    "prompts": ((int,), False),
+    "setting": ((dict, type(None)), False),
+    "model_identity": ((dict,), False),
+    "digest": ((str,), False),
+}
 
 
 def calibration_path(cfg) -> Path:
-    return Path(cfg.calibration.dir) / cfg.model.name / f"{cfg.method.name}.yaml"
+    """<calibration.dir>/<model>/<method>.yaml (paths.calibration_file)."""
+    return paths.calibration_file(cfg.calibration.dir, cfg.model.name, cfg.method.name)
+
+
+def calibration_identity(model_cfg) -> dict:
+    """The model identity an entry is measured with: `models.identity`, less NOT_MEASURED."""
+    return {k: v for k, v in identity(model_cfg).items() if k not in NOT_MEASURED}
+
+
+def entry_digest(entry: dict) -> str:
+    """The first 16 hex digits of the sha256 of an entry's DIGEST_FIELDS as sorted JSON."""
+    body = {k: entry.get(k) for k in DIGEST_FIELDS}
+    text = json.dumps(body, sort_keys=True, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def seal(entry: dict, model_cfg) -> dict:
+    """`entry` with the model identity it was measured with and its digest, its values as YAML
+    reads them back (so that the digest holds for the stored entry)."""
+    entry = yaml.safe_load(yaml.safe_dump(dict(entry), sort_keys=False))
+    entry["model_identity"] = calibration_identity(model_cfg)
+    entry.pop("digest", None)
+    return entry | {"digest": entry_digest(entry)}
 
 
 def setting(cfg, base) -> dict | None:
@@ -63,31 +125,73 @@ def _describe(s: dict | None) -> str:
     return f"{fields}; {s['benchmark']} {s['task']} at {s['context_length']} tokens"
 
 
-def _read(path: Path) -> dict | None:
-    return yaml.safe_load(path.read_text()) if path.exists() else None
+def _fix(path: Path) -> str:
+    return f"repair it, or delete {path} and rerun python -m rbs_bench.calibrate to remake it"
 
 
-def read_entries(path: Path) -> list[dict]:
-    """The entries of a calibration file; a file that is not such YAML is a one-line UserError
-    naming the file, the line and the repair."""
-    fix = f"repair it, or delete {path} and rerun python -m rbs_bench.calibrate to remake it"
+def _load(path: Path) -> dict | None:
+    """The mapping a calibration file holds (None if there is no file); a file that cannot be
+    read as such (binary, not YAML, not a mapping of entries) is a one-line UserError naming the
+    file, the line where it can, and the repair."""
+    path = Path(path)
+    if not path.exists():
+        return None
     try:
-        data = yaml.safe_load(path.read_text()) if path.exists() else None
+        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"{path} is not a calibration file (byte {e.start} is not UTF-8 text: a binary "
+            f"file); {_fix(path)}"
+        ) from None
+    except IsADirectoryError:
+        raise UserError(f"{path} is a directory, not a calibration file; {_fix(path)}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise UserError(f"{path}{where} is not valid YAML ({problem}); {fix}") from None
+        raise UserError(f"{path}{where} is not valid YAML ({problem}); {_fix(path)}") from None
     entries = (data or {}).get("entries", []) if isinstance(data, dict) or data is None else None
-    if not isinstance(entries, list) or not all(
-        isinstance(e, dict) and isinstance(e.get("target"), (int, float)) and "knob" in e
-        for e in entries
-    ):
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise UserError(
             f"{path} is not a calibration file (a mapping whose 'entries' list holds mappings "
-            f"with target and knob); {fix}"
+            f"with target and knob); {_fix(path)}"
         )
-    return entries
+    for i, entry in enumerate(entries, 1):
+        _check_entry(path, i, entry)
+    return data if isinstance(data, dict) else {"entries": []}
+
+
+def _check_entry(path: Path, i: int, entry: dict) -> None:
+    """UserError naming the file, the entry and the field unless `entry` has ENTRY_SCHEMA's
+    fields with their types (numbers finite)."""
+    for name, (types, required) in ENTRY_SCHEMA.items():
+        if name not in entry:
+            if not required:
+                continue
+            problem = "has no"
+        else:
+            value = entry[name]
+            ok = isinstance(value, types) and not isinstance(value, bool)
+            if ok and types is _NUMBER:
+                ok = math.isfinite(value)
+            if ok:
+                continue
+            problem = f"has {value!r} as its"
+        want = {_NUMBER: "a finite number", (int,): "an integer", (str,): "a string"}.get(
+            types, "a mapping"
+        )
+        raise UserError(
+            f"{path}: entry {i} (target {entry.get('target')!r}) {problem} {name} ({want} "
+            f"expected); {_fix(path)}"
+        )
+
+
+def read_entries(path: Path) -> list[dict]:
+    """The entries of a calibration file ([] if there is none), each checked against
+    ENTRY_SCHEMA; a file that is not such YAML is a one-line UserError naming the file, the line
+    or entry and the repair."""
+    data = _load(path)
+    return list((data or {}).get("entries") or [])
 
 
 def find_entry(cfg, base) -> dict | None:
@@ -123,7 +227,7 @@ def load_knob(cfg, base) -> float:
     entry = find_entry(cfg, base)
     path = calibration_path(cfg)
     if entry is not None:
-        problem = entry_problem(entry, cfg.calibration.tolerance)
+        problem = provenance_problem(entry, cfg) or entry_problem(entry, cfg.calibration.tolerance)
         if problem is None:
             return float(entry["knob"])
         raise UserError(
@@ -142,13 +246,8 @@ def calibrate_command(cfg) -> str:
     """The command that calibrates this cell, ready to paste: the run's own command-line
     overrides (experiment, results_dir, model, lengths, fields), with the cell's method and
     budget in place of any method or budget choice (a sweep among them)."""
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        given = list(HydraConfig.get().overrides.task)
-    else:
-        given = list(config.COMMAND_OVERRIDES or [])
-    key = lambda o: o.split("=", 1)[0].lstrip("+~")
+    given = config.command_overrides()
+    key = config.override_key
     cell = {"method", "budget", "budget.name", "budget.target", "budget.knob"}
     keep = [o for o in given if key(o) not in cell]
     if "model" not in map(key, keep) and cfg.model.name in group_options("model"):
@@ -157,48 +256,80 @@ def calibrate_command(cfg) -> str:
     return " ".join(["python -m rbs_bench.calibrate", *map(shlex.quote, args)])
 
 
-def entry_problem(entry: dict, tolerance: float) -> str | None:
-    """Why a stored entry cannot stand for its target (None if it can).
+def provenance_problem(entry: dict, cfg) -> str | None:
+    """Why a stored entry is not the one calibration wrote for this model (None if it is): it
+    has no digest, its digest does not match its values (an edited knob or density), or it was
+    measured with another model config than the run's (compared where the run names a
+    benchmark, i.e. has a full model config; a key the entry lacks counts as unset)."""
+    if "digest" not in entry:
+        return (
+            "carries no digest of what it was measured with (written by hand, or by a version "
+            "before entries carried one), so nothing vouches for its knob"
+        )
+    if entry["digest"] != entry_digest(entry):
+        return (
+            "does not match its digest: its knob, density or setting was changed after it was "
+            "calibrated"
+        )
+    if OmegaConf.select(cfg, "benchmark") is None:
+        return None  # a bare lookup by model name (serving/vllm.py): no model config to compare
+    have, want = entry.get("model_identity") or {}, calibration_identity(cfg.model)
+    for key in sorted(set(have) | set(want)):
+        if have.get(key) != want.get(key):
+            return (
+                f"was measured with model.{key}={have.get(key)!r}, but this run has "
+                f"model.{key}={want.get(key)!r} (an entry of another model config)"
+            )
+    return None
 
-    Its mean density must lie within its tolerance (the one it was calibrated under, else
-    `tolerance`) of its target. An entry the search could not bring that close (the density steps
-    over the target, or the steps ran out) is the closest the knob reaches and is used when its
+
+def entry_problem(entry: dict, tolerance: float) -> str | None:
+    """Why a stored entry cannot stand for its target under the run's `tolerance` (None if it
+    can).
+
+    Its mean density must lie within `tolerance` of its target; the entry's own tolerance never
+    widens it. An entry the search could not bring within its own tolerance (the density steps
+    over the target, or the steps ran out) is the closest the knob reaches, and is used when its
     recorded error is the distance between its density and its target and that distance is at
-    most CLOSEST_SLACK: an entry whose density belongs to another target fails both."""
+    most CLOSEST_SLACK: an entry whose density belongs to another target fails both, and so
+    does one that met a looser tolerance than the run's (a search under the run's could get
+    closer)."""
     if not isinstance(entry.get("density_mean"), (int, float)):
         return "records no density_mean, so nothing shows its knob gives that density"
     target, density = float(entry["target"]), float(entry["density_mean"])
-    tol = float(entry.get("tolerance", tolerance))
     err = abs(density - target)
-    if err <= tol:
+    if err <= tolerance:
         return None
+    own = entry.get("tolerance")
     closest = math.isclose(err, float(entry.get("abs_error", -1)), rel_tol=1e-6, abs_tol=1e-12)
-    if closest and err <= CLOSEST_SLACK:
+    if closest and err <= CLOSEST_SLACK and (own is None or err > float(own)):
         return None
+    looser = own is not None and err <= float(own)
     return (
-        f"records density {density:.4f}, {err:.4f} from its target (tolerance {tol:g}"
+        f"records density {density:.4f}, {err:.4f} from its target (tolerance {tolerance:g}"
         + (f", recorded error {float(entry['abs_error']):.2g}" if "abs_error" in entry else "")
-        + "), so its knob belongs to another density"
+        + (
+            f"; it met its own looser tolerance {float(own):g}), so a calibration to this "
+            "tolerance can come closer"
+            if looser
+            else "), so its knob belongs to another density"
+        )
     )
 
 
 def store(cfg, entry: dict) -> Path:
-    """Add `entry` to the method's calibration file, replacing the entry of the same target and
-    setting. Concurrent writers (a SLURM array of calibrations) each hold the file's lock
-    `<method>.yaml.lock` while they re-read the file, merge and write it through their own temp
-    file, so no writer's entry is lost."""
+    """Add `entry` (sealed: `seal`) to the method's calibration file, replacing the entry of the
+    same target and setting. Concurrent writers (a SLURM array of calibrations) each hold the
+    file's lock `<method>.yaml.lock` while they re-read the file, merge and replace it
+    (`records.write_atomic`: through their own temp file, keeping the file's permissions), so
+    no writer's entry is lost."""
     path = calibration_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
+    entry = seal(entry, cfg.model)
     with FileLock(str(path) + ".lock"):
-        data = _read(path) or {"model": cfg.model.name, "method": cfg.method.name, "entries": []}
+        data = _load(path) or {"model": cfg.model.name, "method": cfg.method.name, "entries": []}
         same = lambda e: e["target"] == entry["target"] and e.get("setting") == entry.get("setting")
         data["entries"] = [e for e in data.get("entries") or [] if not same(e)] + [entry]
         data["entries"].sort(key=lambda e: (e["target"], yaml.safe_dump(e.get("setting"))))
-        with tempfile.NamedTemporaryFile(
-            "w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
-        ) as tmp:
-            tmp.write(yaml.safe_dump(data, sort_keys=False))
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp.name, path)
+        write_atomic(path, yaml.safe_dump(data, sort_keys=False))
     return path

@@ -5,12 +5,16 @@ before Hydra runs, and again by `rbs_bench.__main__.run` and `rbs_bench.calibrat
 cells a launcher hands them), so that a bad value stops the command with one line, exit status
 2, and nothing written: no cell directory, no `cell.json`, no records, no calibration entry.
 
-What it checks, in order: the budget's target is a density in (0, 1]; `benchmark.num_samples` is
-at least 1 (0 means "every row" only for benchmarks that read rows from a data set); the method's
-block size is a power of two in [16, 1024]; the method's fields and knob; the benchmark's tasks,
-data (a malformed local data row names its file and row) and context lengths (at least one block,
-at most `model.max_context`); that the results directory can be written; and the calibration the
-budget reads (present and well-formed).
+What it checks, in order: the names that become folders (experiment, model, method, budget) are
+one path component each (`paths.component`); the budget's target is a density in (0, 1];
+`benchmark.num_samples` is at least 1 (0 means "every row" only for benchmarks that read rows
+from a data set) and at most what the benchmark can generate (its `MAX_SAMPLES`);
+`benchmark.max_new_tokens` is positive (or null); the method's block size is a power of two in
+[16, 1024]; the method's fields and knob; the benchmark's tasks, data (a malformed local data row
+names its file and row) and context lengths (at least one block, at most `model.max_context`);
+the model's local files (a truncated weight file or tokenizer names the file, `models.identity`);
+that the results directory can be written; and the calibration the budget reads (present,
+well-formed, not edited, of this model) or, calibrating, `calibration.num_prompts`.
 """
 
 from __future__ import annotations
@@ -22,16 +26,16 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rbs_bench import benchmarks, config
+from rbs_bench import benchmarks, config, models, paths
 from rbs_bench.calibrations import calibration_path, read_entries
 from rbs_bench.config import (
     CONFIG_MODULE,
-    UserError,
     explain,
     reference_cells,
     sweep_cells,
     validate,
 )
+from rbs_bench.errors import UserError
 from rbs_bench.session import build_selector, cell_dir, check_benchmark
 
 BLOCK_SIZES = (16, 1024)  # smallest and largest block size a run accepts (powers of two)
@@ -42,23 +46,35 @@ def check_cell(cfg: DictConfig, experiment: str, calibrating: bool = False) -> N
 
     `calibrating`: the cell is checked for `rbs_bench.calibrate`, which writes a calibration
     rather than reading one."""
+    _check_names(cfg, experiment)
     _check_budget(cfg)
     try:
         bench = benchmarks.get(cfg.benchmark.name)
     except ValueError as e:
         raise UserError(str(e)) from None
     _check_num_samples(cfg, bench)
+    _check_max_new_tokens(cfg)
     _check_block_size(cfg)
     selector = build_selector(cfg, apply_budget=False)  # fields and knob values of the method
     check_benchmark(cfg)  # tasks, data sources and rows, lengths against model.max_context
     _check_lengths(cfg, selector.block_size)
+    _check_model_files(cfg)
     if calibrating:
         if cfg.budget.target is not None and selector.knob is not None:
+            _check_num_prompts(cfg)
             check_writable(calibration_path(cfg), "calibration.dir")
             read_entries(calibration_path(cfg))  # a malformed file fails now, not after the search
     else:
-        check_writable(cell_dir(cfg, experiment) / "records.jsonl", "results_dir")
+        check_writable(cell_dir(cfg, experiment) / paths.RECORDS, "results_dir")
         build_selector(cfg)  # reads the calibrated knob: a missing or malformed file fails now
+
+
+def _check_names(cfg: DictConfig, experiment: str) -> None:
+    """Each name that becomes a folder or file name under results_dir is one path component."""
+    paths.component(experiment, "experiment")
+    paths.component(cfg.model.name, "model.name")
+    paths.component(cfg.method.name, "method.name")
+    paths.component(cfg.budget.name, "budget.name")
 
 
 def _check_budget(cfg: DictConfig) -> None:
@@ -82,6 +98,45 @@ def _check_num_samples(cfg: DictConfig, bench) -> None:
             f"benchmark.num_samples={n}: {cfg.benchmark.name} needs at least {least}; "
             f"e.g. benchmark.num_samples=5"
         )
+    _check_max_samples(cfg, bench)
+
+
+def _check_max_samples(cfg: DictConfig, bench) -> None:
+    most = getattr(bench, "MAX_SAMPLES", None)
+    n = cfg.benchmark.num_samples
+    if most is not None and n > most:
+        raise UserError(
+            f"benchmark.num_samples={n}: {cfg.benchmark.name} generates at most {most:,} prompts "
+            f"per task and length (all of a cell's prompts are built before it runs); e.g. "
+            f"benchmark.num_samples=500"
+        )
+
+
+def _check_max_new_tokens(cfg: DictConfig) -> None:
+    n = cfg.benchmark.max_new_tokens
+    if n is not None and n < 1:
+        raise UserError(
+            f"benchmark.max_new_tokens={n} must be at least 1 (a prediction needs a token), or "
+            "null for each task's official budget"
+        )
+
+
+def _check_num_prompts(cfg: DictConfig) -> None:
+    n = cfg.calibration.num_prompts
+    if n < 1:
+        raise UserError(
+            f"calibration.num_prompts={n}: calibration measures density on at least one prompt; "
+            "e.g. calibration.num_prompts=1"
+        )
+
+
+def _check_model_files(cfg: DictConfig) -> None:
+    """The model's identity (models.identity): the weights' digest of a local model reads its
+    files' sizes and headers, so a truncated weight file or tokenizer fails here, naming it."""
+    try:
+        models.identity(cfg.model)
+    except ValueError as e:
+        raise UserError(str(e)) from None
 
 
 def _check_block_size(cfg: DictConfig) -> None:

@@ -19,13 +19,10 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 from rbs_bench import methods
+from rbs_bench.errors import UserError, one_line
 
 CONFIG_MODULE = "rbs_bench.conf"
 GROUPS = ("model", "method", "benchmark", "budget", "calibration", "logger", "experiment")
-
-
-class UserError(Exception):
-    """Bad input: printed as one line (what to change), never as a traceback."""
 
 
 _STARTED = time.monotonic()  # near enough the process's start: every entry point imports this
@@ -309,21 +306,31 @@ COMMAND_OVERRIDES: list[str] | None = None  # the command line's overrides (chec
 
 
 def report_user_errors(fn, cfg) -> None:
-    """Run fn(cfg); a UserError becomes one line on stderr and exit status 2."""
-    try:
-        fn(cfg)
-    except UserError as e:
-        print(f"rbs-bench: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    """Run fn(cfg); a UserError (or a full disk) becomes one line on stderr and exit status 2
+    (errors.one_line)."""
+    status = one_line(lambda: fn(cfg))
+    if status:
+        sys.exit(status)
 
 
-def _override_key(text: str) -> str:
+def override_key(text: str) -> str:
+    """The config key an override sets (`+method.alpha=0.3` -> `method.alpha`)."""
     return text.split("=", 1)[0].lstrip("+~")
+
+
+def command_overrides() -> list[str]:
+    """The overrides of this command: Hydra's (a running job, with the cell's sweep values under
+    -m), else the command line's as `preflight` saw them, else none."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return list(HydraConfig.get().overrides.task)
+    return list(COMMAND_OVERRIDES or [])
 
 
 def reference_cells(cfg, overrides: list[str]) -> list[list[str]]:
     """The config's `reference` cells as override lists, unless the overrides pin the method."""
-    if "method" in {_override_key(o) for o in overrides}:
+    if "method" in {override_key(o) for o in overrides}:
         return []
     return [str(cell).split() for cell in cfg.get("reference") or []]
 
@@ -335,7 +342,7 @@ def sweep_cells(params, overrides: list[str]) -> list[list[str]]:
 
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    pinned = {_override_key(o) for o in overrides}
+    pinned = {override_key(o) for o in overrides}
     axes = []
     for key, value in dict(params or {}).items():
         if key in pinned:

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from rbs_bench import paths
+from rbs_bench.errors import one_line
 from rbs_bench.methods import DENSE
 from rbs_bench.report import load_records
 from rbs_bench.tables.layout import cell_means
@@ -106,7 +108,7 @@ def build_figures(results: Path, out: Path) -> list[Path]:
     from rbs_bench import observations
 
     written = []
-    for exp_dir in sorted(p for p in (Path(results) / "runs").glob("*/*") if p.is_dir()):
+    for exp_dir in paths.experiment_dirs(results):
         experiment, model = exp_dir.parent.name, exp_dir.name
         if experiment in FIGURES:
             df = load_records(exp_dir)
@@ -125,9 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=Path("results"))
     ap.add_argument("--out", type=Path, default=None, help="default: <results>/figures")
     args = ap.parse_args(argv)
-    written = build_figures(args.results, args.out or args.results / "figures")
+    return one_line(lambda: _figures(args.results, args.out or paths.figures_dir(args.results)))
+
+
+def _figures(results: Path, out: Path) -> int:
+    written = build_figures(results, out)
     if not written:
-        print(f"no run records for figures under {args.results / 'runs'}", file=sys.stderr)
+        print(f"no run records for figures under {paths.runs_dir(results)}", file=sys.stderr)
     print("\n".join(str(p) for p in written))
     return 0
 

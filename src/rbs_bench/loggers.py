@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from rbs_bench.config import UserError
+from rbs_bench.errors import UserError
 
 MODES = ("online", "offline", "disabled")
 SAMPLE_SCALARS = ("score", "density", "ttft_s", "selector_s", "attention_s")

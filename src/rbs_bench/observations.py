@@ -60,8 +60,8 @@ import pandas as pd
 import torch
 from torch import Tensor
 
-from rbs_bench import methods
-from rbs_bench.config import UserError
+from rbs_bench import methods, paths
+from rbs_bench.errors import UserError
 from rbs_bench.kernels.quest_select import top_fraction
 from rbs_bench.methods.mass import true_block_mass
 from rbs_bench.methods.scorers import (
@@ -619,23 +619,26 @@ def run(cfg, experiment: str) -> Path:
     ocfg = cfg.observations
     settings = settings_from(ocfg)
     source = "synthetic" if ocfg.synthetic else cfg.model.name
-    out_dir = Path(cfg.results_dir) / "runs" / experiment / source
+    out_dir = paths.experiment_dir(cfg.results_dir, experiment, source)
     fingerprint = {"observations": OmegaConf.to_container(ocfg, resolve=True)}
     fingerprint["observations"].pop("prompts")  # more prompts may be added to a run
     if not ocfg.synthetic:
         from rbs_bench.models import identity
 
-        fingerprint["model"] = identity(cfg.model)
+        try:
+            fingerprint["model"] = identity(cfg.model)
+        except ValueError as e:  # a local model's damaged files (models.weights_digest)
+            raise UserError(str(e)) from None
         fingerprint["benchmark"] = {"name": cfg.benchmark.name, "task": cfg.benchmark.tasks[0]}
     fingerprint = json.loads(json.dumps(fingerprint, default=str))
-    if (out_dir / "cell.json").exists():  # refuse to mix settings before any work is done
-        check_fingerprint(out_dir / "cell.json", fingerprint)
-    store = RecordStore(out_dir / "records.jsonl")
+    if (out_dir / paths.CELL_FILE).exists():  # refuse to mix settings before any work is done
+        check_fingerprint(out_dir / paths.CELL_FILE, fingerprint)
+    store = RecordStore(out_dir / paths.RECORDS)
 
     added = []
 
     def append(rec: dict) -> None:  # the fingerprint is written with the first record
-        check_fingerprint(out_dir / "cell.json", fingerprint)
+        check_fingerprint(out_dir / paths.CELL_FILE, fingerprint)
         store.append(rec)
         added.append(rec)
 
@@ -726,9 +729,9 @@ def main(argv: list[str] | None = None) -> int:
         help="results/runs/observations/<model> (default: every one under results/runs)",
     )
     args = ap.parse_args(argv)
-    dirs = args.run_dirs or sorted(
-        p.parent for p in Path("results/runs").glob("*/*/observations.json")
-    )
+    dirs = args.run_dirs or [
+        d for d in paths.experiment_dirs("results") if (d / "observations.json").exists()
+    ]
     if not dirs:
         print("no observations runs under results/runs", file=sys.stderr)
         return 1

@@ -2,8 +2,14 @@
 
 Each line is written with a single `write` of the whole line followed by fsync. A line cut short by
 a kill (no trailing newline, or not valid JSON) is dropped when the file is next opened, so a rerun
-of the same command resumes with exactly the samples that finished. A complete JSON line that is
-not a record (no task, context length and index) is refused with its file and line number.
+of the same command resumes with exactly the samples that finished. A write that fails (a full
+disk) is cut back off the file before the error is reported. A complete JSON line that is not a
+record (no task, context length and index) is refused with its file and line number.
+
+**Checksums.** Every record is written with `checksum`, a digest of its other values (`seal`), and
+every read verifies it: a record whose score, density or any other value was changed after it was
+recorded is refused with its file and line number. Records written before checksums existed carry
+none and are read as they are.
 
 **Locks.** Every cell directory has a lock file, `<cell dir>/.lock` (beside `records.jsonl`),
 taken with `filelock.FileLock`: an `flock` on the open file, which the kernel drops when the
@@ -17,21 +23,25 @@ there, so no key is ever recorded twice; the runner holds the same lock over a w
 **Settings.** Every record carries the settings it was made with (`record_settings`); a rerun
 compares them with its own before it appends (`check_settings`). `cell.json` holds the same
 settings for the records of a cell, written after the first record: a cache of that check.
+
+Whole files (cell.json, summaries, tables) are replaced atomically by `write_atomic`, which keeps
+the file's permissions. This module imports neither torch nor Triton: reading records is cheap.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 from filelock import FileLock
 
-from rbs_bench.config import UserError
+from rbs_bench.errors import UserError
+from rbs_bench.paths import CELL_FILE, LOCK_NAME
 
 KEY_FIELDS = ("task", "context_length", "index")
-LOCK_NAME = ".lock"
-CELL_FILE = "cell.json"
+CHECKSUM = "checksum"  # the record's digest of its other values (`seal`)
 _LOCKS: dict[str, FileLock] = {}  # lock path -> the one FileLock of this process
 
 
@@ -51,11 +61,24 @@ def cell_lock(cell_dir: Path) -> FileLock:
     return _LOCKS[path]
 
 
+def checksum(rec: dict) -> str:
+    """A digest of a record's values (all but its checksum): the first 16 hex digits of the
+    sha256 of its JSON with sorted keys, as `RecordStore.append` writes it."""
+    body = {k: v for k, v in rec.items() if k != CHECKSUM}
+    text = json.dumps(body, sort_keys=True, allow_nan=False)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def seal(rec: dict) -> dict:
+    """`rec` with its checksum."""
+    return {k: v for k, v in rec.items() if k != CHECKSUM} | {CHECKSUM: checksum(rec)}
+
+
 def _parse(path: Path, lineno: int, line: bytes | str) -> dict | None:
     """The record on one complete line; None for a line that is not JSON (a torn write)."""
     try:
         rec = json.loads(line)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return None
     if not isinstance(rec, dict) or any(f not in rec for f in KEY_FIELDS):
         missing = (
@@ -67,6 +90,12 @@ def _parse(path: Path, lineno: int, line: bytes | str) -> dict | None:
             f"{path}:{lineno} is JSON but not a run record ({missing}); delete that line "
             f"(e.g. sed -i '{lineno}d' {path}) and rerun, which records that sample again"
         )
+    if CHECKSUM in rec and rec[CHECKSUM] != checksum(rec):
+        raise UserError(
+            f"{path}:{lineno} was changed after it was recorded (its values do not match its "
+            f"checksum); delete that line (e.g. sed -i '{lineno}d' {path}) and rerun, which "
+            "records that sample again"
+        )
     return rec
 
 
@@ -76,8 +105,8 @@ def read_records(path: Path) -> list[dict]:
     if not path.exists():
         return []
     out = []
-    for lineno, line in enumerate(path.read_text().splitlines(keepends=True), 1):
-        if line.endswith("\n"):
+    for lineno, line in enumerate(path.read_bytes().splitlines(keepends=True), 1):
+        if line.endswith(b"\n"):
             rec = _parse(path, lineno, line)  # None: a torn write from a kill; RecordStore repairs
             if rec is not None:
                 out.append(rec)
@@ -103,9 +132,7 @@ class RecordStore:
         data = self.path.read_bytes()
         good = [ln for ln in data.splitlines(keepends=True) if ln.endswith(b"\n") and _is_json(ln)]
         if sum(map(len, good)) != len(data):
-            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.repair")
-            tmp.write_bytes(b"".join(good))
-            os.replace(tmp, self.path)
+            write_atomic(self.path, b"".join(good))
 
     def _refresh(self) -> None:
         """Read the complete lines appended since the last read (by any process)."""
@@ -132,37 +159,93 @@ class RecordStore:
         return self.records.get(key)
 
     def append(self, rec: dict) -> bool:
-        """Append `rec` unless its key is recorded (by this or another process); True if written."""
-        line = json.dumps(rec, sort_keys=True, allow_nan=False) + "\n"
+        """Append `rec` (sealed with its checksum) unless its key is recorded (by this or another
+        process); True if written. A write that fails is cut back off the file and re-raised
+        with the file's name."""
+        line = json.dumps(seal(rec), sort_keys=True, allow_nan=False) + "\n"
         with self.lock:
             self._refresh()
             if record_key(rec) in self.records:
                 return False
             if self.path.exists() and self.path.stat().st_size != self._offset:
                 self._reopen()  # a run killed mid-write left a torn line: drop it first
-            with open(self.path, "a", encoding="utf-8") as f:
-                f.write(line)
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(line)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:
+                self._cut_back()
+                raise OSError(e.errno, e.strerror, str(self.path)) from e
             self._refresh()
         return True
+
+    def _cut_back(self) -> None:
+        """Drop what a failed write left past the last complete record (a full disk may still
+        let part of a line through), so the file holds exactly the samples recorded."""
+        try:
+            if self.path.exists() and self.path.stat().st_size > self._offset:
+                os.truncate(self.path, self._offset)
+        except OSError:
+            pass  # the torn line is dropped when the file is next opened (`_repair`)
 
 
 def _is_json(line: bytes) -> bool:
     try:
         json.loads(line)
         return True
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return False
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a whole file so readers never see half of it (temp file + rename)."""
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write a whole file so readers never see half of it (temp file, fsync, rename).
+
+    The file keeps its permissions (a new file gets the umask's, as `open` would give it), so a
+    rewrite never locks out the colleagues of a shared results directory. If the write fails (a
+    full disk) the old file stays as it was and the error names the file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    mode = path.stat().st_mode & 0o7777 if path.exists() else None
+    try:
+        # created as `open` creates a file (0o666 less the umask), then given the old file's mode
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666), "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is not None:
+            os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e
+
+
+_JSON_KINDS = {list: "list", str: "string", int: "number", float: "number", bool: "boolean"}
+
+
+def read_cell_file(path: Path, fix: str | None = None) -> dict | None:
+    """The settings in a cell's `cell.json` (None if there is none), or a UserError naming the
+    file and `fix` (default: delete it, for a cache the runner rebuilds from the records) when it
+    holds anything but a JSON object."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        data, what = None, "bytes that are not UTF-8 text"
+    except json.JSONDecodeError as e:
+        data, what = None, f"text that is not JSON ({e.msg} at line {e.lineno})"
+    else:
+        if isinstance(data, dict):
+            return data
+        what = "JSON null" if data is None else f"a JSON {_JSON_KINDS.get(type(data), 'value')}"
+    fix = fix or (
+        f"delete it (rm {path}) and rerun: it is a cache, rebuilt from the records beside it"
+    )
+    raise UserError(f"{path} holds {what}, not the settings of the cell's records; {fix}")
 
 
 def check_fingerprint(path: Path, fingerprint: dict) -> None:
@@ -171,7 +254,9 @@ def check_fingerprint(path: Path, fingerprint: dict) -> None:
     if not path.exists():
         write_atomic(path, json.dumps(fingerprint, indent=2, sort_keys=True) + "\n")
         return
-    old = json.loads(path.read_text())
+    old = read_cell_file(
+        path, f"delete {path.parent} (no settings vouch for its records) or set results_dir=..."
+    )
     diff = [k for k in sorted(set(old) | set(fingerprint)) if old.get(k) != fingerprint.get(k)]
     if diff:
         k = diff[0]
@@ -271,11 +356,8 @@ def check_settings(store: RecordStore, settings: dict) -> None:
                 want.get(k),
             )
     cached = store.path.parent / CELL_FILE
-    if cached.exists():
-        try:
-            old = json.loads(cached.read_text())
-        except json.JSONDecodeError:
-            return  # a cache: rebuilt from the records by write_settings
+    old = read_cell_file(cached)
+    if old is not None:
         diff = [k for k in sorted(set(old) | set(want)) if old.get(k) != want.get(k)]
         if diff:
             k = diff[0]
@@ -292,6 +374,6 @@ def write_settings(store: RecordStore, settings: dict) -> None:
     if not store.records:
         return
     path = store.path.parent / CELL_FILE
-    text = json.dumps(settings, indent=2, sort_keys=True) + "\n"
-    if not path.exists() or path.read_text() != text:
+    text = (json.dumps(settings, indent=2, sort_keys=True) + "\n").encode()
+    if not path.exists() or path.read_bytes() != text:
         write_atomic(path, text)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from rbs_bench import paths
+from rbs_bench.errors import one_line
 from rbs_bench.methods import DENSE
 from rbs_bench.records import read_records, write_atomic
 
@@ -62,7 +64,7 @@ def noise_note(table: pd.DataFrame) -> str:
 
 def load_records(exp_dir: Path) -> pd.DataFrame:
     rows = []
-    for path in sorted(Path(exp_dir).glob("*/*/records.jsonl")):
+    for path in paths.cell_records(exp_dir):
         for rec in read_records(path):
             rec = dict(rec)
             rec["source"] = str(path)
@@ -207,7 +209,7 @@ def write_summary(exp_dir: Path) -> pd.DataFrame | None:
         "\n## By task and context length\n\n"
         f"{markdown_table(by_task, fmt)}{categories}\nRun records:\n\n{sources}"
     )
-    write_atomic(exp_dir / "summary.md", md)
+    write_atomic(exp_dir / paths.SUMMARY, md)
     plot_score_vs_density(
         overall,
         by_task,
@@ -226,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         help="results/runs/<experiment>/<model> (default: every one under results/)",
     )
     args = ap.parse_args(argv)
-    dirs = args.exp_dirs or sorted(p for p in Path("results/runs").glob("*/*") if p.is_dir())
+    return one_line(lambda: _summaries(args.exp_dirs or paths.experiment_dirs("results")))
+
+
+def _summaries(dirs: list[Path]) -> int:
     if not dirs:
         print("no run records under results/runs", file=sys.stderr)
     for d in dirs:

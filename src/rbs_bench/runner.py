@@ -16,10 +16,12 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from rbs_bench import benchmarks, models
-from rbs_bench.config import UserError, out_of_time
+from rbs_bench.config import out_of_time
+from rbs_bench.errors import UserError
 from rbs_bench.execution import resolve_executor
 from rbs_bench.models import fastpath
 from rbs_bench.models.hf_attention import install, uninstall
+from rbs_bench.paths import RECORDS
 from rbs_bench.records import RecordStore, cell_lock, check_settings, write_settings
 from rbs_bench.session import (
     Loaded,
@@ -143,11 +145,14 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
     selector = build_selector(cfg)
     bench = benchmarks.get(cfg.benchmark.name)
     out_dir = cell_dir(cfg, experiment)
-    settings = run_settings(cfg, selector, bench)
+    try:
+        settings = run_settings(cfg, selector, bench)
+    except ValueError as e:  # the model's local files (models.weights_digest)
+        raise UserError(str(e)) from None
     label = f"{experiment}/{cfg.model.name}/{selector.name}/{cfg.budget.name}"
     lock = cell_lock(out_dir)
     if not _acquire(lock, cfg, label):
-        return out_dir / "records.jsonl"
+        return out_dir / RECORDS
     try:
         return _run_locked(cfg, experiment, session, logger, selector, bench, settings, label)
     finally:
@@ -156,8 +161,14 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
 
 def _run_locked(cfg, experiment, session, logger, selector, bench, settings, label) -> Path:
     out_dir = cell_dir(cfg, experiment)
-    store = RecordStore(out_dir / "records.jsonl")
+    store = RecordStore(out_dir / RECORDS)
     check_settings(store, settings)  # before the model loads: a mismatch costs nothing
+    if out_of_time(cfg):  # loading a model would spend time the budget no longer has
+        print(
+            f"{label}: time_budget_s={cfg.time_budget_s:g} reached before this cell started; "
+            "rerun the same command to continue (finished samples are kept)"
+        )
+        return store.path
     loaded = session.load(cfg)
     executor = resolve_executor(cfg.executor, loaded.device)
     work = [

@@ -32,6 +32,15 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from rbs_bench.errors import one_line
+from rbs_bench.paths import (
+    RUNS,
+    calibration_dir,
+    paper_values_file,
+    runs_dir,
+    scale_dir,
+    speed_dir,
+)
 from rbs_bench.records import read_records, write_atomic
 
 PAPER_CALIBRATION = "tab:calibration"  # Table 11: offline calibration on 50 prompts at 128K
@@ -105,8 +114,8 @@ def run_cells(results: Path) -> pd.DataFrame:
     its GPU: the runs of `<results>/runs`, and of side results directories `<results>/scale/<name>`
     (their experiment labelled with the name, e.g. "ruler_budget (recall_128k)")."""
     rows = []
-    roots = [(results / "runs", "")]
-    roots += [(p, f" ({p.parent.name})") for p in sorted((results / "scale").glob("*/runs"))]
+    roots = [(runs_dir(results), "")]
+    roots += [(p, f" ({p.parent.name})") for p in sorted(scale_dir(results).glob(f"*/{RUNS}"))]
     paths = [(p, tag) for root, tag in roots for p in sorted(root.glob("*/*/*/*/records.jsonl"))]
     for path, tag in paths:
         experiment, model = path.parts[-5] + tag, path.parts[-4]
@@ -223,7 +232,7 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
 
 def calibration_entries(results: Path) -> pd.DataFrame:
     rows = []
-    for path in sorted((results / "calibration").glob("*/*.yaml")):
+    for path in sorted(calibration_dir(results).glob("*/*.yaml")):
         try:
             doc = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError:
@@ -352,12 +361,12 @@ def _ttft_section(df: pd.DataFrame, csv: Path) -> list[str]:
 def build(results: Path, out_dir: Path | None = None, paper_values: Path | None = None):
     """Write <out_dir>/<gpu>.md for every GPU in the records; returns the paths written."""
     results = Path(results)
-    out_dir = Path(out_dir) if out_dir is not None else results / "scale"
+    out_dir = Path(out_dir) if out_dir is not None else scale_dir(results)
     cells = run_cells(results)
     cal = calibration_entries(results)
-    paper = _paper_calibration(paper_values or results / "paper" / "paper_values.csv")
+    paper = _paper_calibration(paper_values or paper_values_file(results))
     ttft = {}
-    for csv in sorted((results / "speed").glob("ttft_*.csv")):
+    for csv in sorted(speed_dir(results).glob("ttft_*.csv")):
         tag = csv.stem.removeprefix("ttft_")
         full = _full_depth_ttft(csv)
         if len(full):
@@ -394,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
         "--paper-values", type=Path, default=None, help="default: <results>/paper/paper_values.csv"
     )
     args = ap.parse_args(argv)
-    written = build(args.results, args.out, args.paper_values)
+    written = []
+    status = one_line(lambda: written.extend(build(args.results, args.out, args.paper_values)))
+    if status:
+        return status
     if not written:
         print(f"no GPU records under {args.results}", file=sys.stderr)
     print("\n".join(str(p) for p in written))

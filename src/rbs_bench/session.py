@@ -16,25 +16,23 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from rbs_bench import benchmarks, methods, models
+from rbs_bench import benchmarks, methods, models, paths
 from rbs_bench.budget import knob_fields
 from rbs_bench.calibrations import load_knob
-from rbs_bench.config import UserError
+from rbs_bench.config import command_overrides, override_key
+from rbs_bench.errors import UserError
 
 
 def cell_dir(cfg: DictConfig, experiment: str) -> Path:
-    return (
-        Path(cfg.results_dir)
-        / "runs"
-        / experiment
-        / cfg.model.name
-        / cfg.method.name
-        / cfg.budget.name
+    """<results_dir>/runs/<experiment>/<model>/<method>/<budget> (paths.cell_dir)."""
+    return paths.cell_dir(
+        cfg.results_dir, experiment, cfg.model.name, cfg.method.name, cfg.budget.name
     )
 
 
 def experiment_dir(cfg: DictConfig, experiment: str) -> Path:
-    return Path(cfg.results_dir) / "runs" / experiment / cfg.model.name
+    """<results_dir>/runs/<experiment>/<model> (paths.experiment_dir)."""
+    return paths.experiment_dir(cfg.results_dir, experiment, cfg.model.name)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -77,12 +75,16 @@ def build_selector(cfg: DictConfig, apply_budget: bool = True):
 
 def _refuse_overridden_knob_fields(cfg: DictConfig, sel) -> None:
     """A budget sets the fields its knob moves (rbs: alpha_base and alpha_rescue); a value given
-    for one of them would be replaced without a word, so it stops the run instead."""
+    for one of them, on the command line (even the default's own value) or by a config that
+    changes the default, would be replaced without a word, so it stops the run instead."""
     defaults = {f.name: f.default for f in dataclasses.fields(sel)}
+    named = {override_key(o) for o in command_overrides()}
     given = sorted(
         f
         for f in knob_fields(sel)
-        if f in defaults and f in cfg.method and getattr(sel, f) != defaults[f]
+        if f in defaults
+        and f in cfg.method
+        and (getattr(sel, f) != defaults[f] or f"method.{f}" in named)
     )
     if given:
         how = (

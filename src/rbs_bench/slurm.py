@@ -18,7 +18,8 @@ import argparse
 import os
 import sys
 
-from rbs_bench.config import CONFIG_MODULE, UserError, explain, register_schemas
+from rbs_bench.config import CONFIG_MODULE, explain, register_schemas
+from rbs_bench.errors import UserError
 
 
 def _parse(overrides: list[str]):

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from conftest import structured_qk
 
 from rbs_bench import methods  # first: importing it registers the baselines
 
@@ -55,19 +56,6 @@ def spec_selection(q, k, fields, scale=None):
                     kept[b, h, i, j] = gap >= 0
                     near[b, h, i, j] = abs(gap) < EPS
     return kept | forced, near & ~forced  # forced blocks are kept whatever their mass
-
-
-def structured_qk(b, hq, hkv, n, d, seed):
-    """Local (rotary-like) attention, a sink direction, and a few needle keys in noisy blocks."""
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.arange(n)[:, None] * torch.logspace(-2.5, 0, d // 2)[None, :]
-    rope = torch.cat([pos.cos(), pos.sin()], -1)
-    q = 2.0 * rope + torch.randn(b, hq, n, d, generator=g)
-    k = 2.0 * rope + torch.randn(b, hkv, n, d, generator=g)
-    k[:, :, :4] += 2 * torch.randn(b, hkv, 1, d, generator=g)  # sink-like first tokens
-    for j in torch.randint(0, n - 1, (4,), generator=g).tolist():
-        k[:, :, j] += 0.3 * q[:, :: hq // hkv, j:].sum(2).clamp(-4, 4)  # a needle later rows read
-    return q, k
 
 
 CASES = [  # (fields, n, hq, hkv, batch)

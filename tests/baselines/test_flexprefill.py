@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import structured_qk
 from rbs_bench.baselines.flexprefill import FlexPrefill, coverage_count, top_mask
 
 from rbs_bench import methods
@@ -85,27 +86,6 @@ def spec_selection(q, k, fields, scale=None):
     return kept, aware
 
 
-def structured_qk(b, hq, hkv, n, d, seed):
-    """Heads of four temperatures along a shared direction c, with sink keys and strong single
-    columns along c (the sharp heads put their mass on a few tokens, which block means dilute);
-    with several KV heads the last one has keys constant over blocks of 32 (block means see them
-    exactly). Both head kinds occur."""
-    gen = torch.Generator().manual_seed(seed)
-    g = hq // hkv
-    c = torch.randn(b, hkv, 1, d, generator=gen)
-    c = c / c.norm(dim=-1, keepdim=True) * math.sqrt(d)
-    temp = torch.tensor([0.2, 1.0, 0.5, 2.0])[torch.arange(hq) % 4].view(1, hq, 1, 1)
-    q = torch.randn(b, hq, n, d, generator=gen) + temp * c.repeat_interleave(g, 1)
-    k = torch.randn(b, hkv, n, d, generator=gen) * 0.5
-    k[:, :, : min(4, n)] += c  # sinks
-    k[:, :, 37::211] += 2.5 * c  # strong columns
-    if hkv > 1:
-        m = math.ceil(n / 32)
-        levels = torch.randn(b, m, d, generator=gen).repeat_interleave(32, 1)[:, :n]
-        k[:, -1] = 0.5 * levels + 0.05 * torch.randn(b, n, d, generator=gen)
-    return q, k
-
-
 CASES = [  # (fields, (b, hq, hkv, n, d)); every case mixes query-aware and vertical-slash heads
     ({"min_budget": 0, "block_size": 32, "tau": 0.2}, (1, 4, 2, 1000, 16)),
     ({"min_budget": 100, "block_size": 32, "gamma": 0.6, "tau": 0.25}, (2, 4, 1, 777, 16)),
@@ -116,7 +96,7 @@ CASES = [  # (fields, (b, hq, hkv, n, d)); every case mixes query-aware and vert
 
 @pytest.mark.parametrize("fields,shape", CASES)
 def test_matches_spec(fields, shape):
-    q, k = structured_qk(*shape, seed=shape[3])
+    q, k = structured_qk(*shape, seed=shape[3], kind="tempered")
     sel = methods.build("flexprefill", **fields)
     got = sel.select(q, k)
     want, aware = spec_selection(q, k, fields)
@@ -129,7 +109,7 @@ def test_matches_spec(fields, shape):
 
 def test_scale_argument_is_used():
     fields = {"min_budget": 0, "block_size": 32, "tau": 0.3}
-    q, k = structured_qk(1, 2, 1, 400, 16, seed=4)
+    q, k = structured_qk(1, 2, 1, 400, 16, seed=4, kind="tempered")
     got = FlexPrefill(**fields).select(q, k, scale=0.6).mask()
     want, _ = spec_selection(q, k, fields, scale=0.6)
     assert torch.equal(got, want)
@@ -201,7 +181,7 @@ def test_min_and_max_budget_honoured():
 @pytest.mark.parametrize("n", [1, 127, 128, 129, 1000])
 @pytest.mark.parametrize("b,hq,hkv", [(2, 2, 2), (1, 4, 1)])
 def test_invariants(n, b, hq, hkv):
-    q, k = structured_qk(b, hq, hkv, n, 16, seed=n)
+    q, k = structured_qk(b, hq, hkv, n, 16, seed=n, kind="tempered")
     sel = FlexPrefill(min_budget=0, block_size=32, gamma=0.5)
     s = sel.select(q, k)
     m = math.ceil(n / 32)
@@ -218,12 +198,12 @@ def test_default_runs_dense_up_to_min_budget():
     q, k = torch.randn(1, 2, 1024, 8), torch.randn(1, 1, 1024, 8)
     assert sel.runs_dense(1024) and sel.select(q, k).density() == 1.0
     assert not sel.runs_dense(1025)
-    q2, k2 = structured_qk(1, 2, 1, 1300, 8, seed=0)
+    q2, k2 = structured_qk(1, 2, 1, 1300, 8, seed=0, kind="tempered")
     assert sel.select(q2, k2).shape == (1, 2, 11, 11)
 
 
 def test_density_monotone_in_gamma():
-    q, k = structured_qk(1, 4, 2, 1024, 16, seed=9)
+    q, k = structured_qk(1, 4, 2, 1024, 16, seed=9, kind="tempered")
     base = FlexPrefill(min_budget=0, block_size=32)
     dens = [base.with_knob(g).select(q, k).density() for g in (0.0, 0.5, 0.8, 0.95, 1.0)]
     assert all(a <= b for a, b in zip(dens, dens[1:]))
@@ -231,7 +211,7 @@ def test_density_monotone_in_gamma():
 
 
 def test_gqa_uses_own_kv_head():
-    q, k = structured_qk(1, 4, 2, 800, 16, seed=5)
+    q, k = structured_qk(1, 4, 2, 800, 16, seed=5, kind="tempered")
     sel = FlexPrefill(min_budget=0, block_size=32, gamma=0.6)
     a = sel.select(q, k).mask()
     k2 = k.clone()

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import structured_qk
 from rbs_bench.baselines.minference import MInference, VerticalSlashPattern
 from rbs_bench.kernels.vertical_slash_attn import vertical_slash_attention_ref
 
@@ -92,20 +93,11 @@ def test_density_counts_touched_128_block_pairs():
     assert pat.mask()[0, 1].nonzero().tolist() == [[1, 0], [2, 1]]
 
 
-def structured_qk(b, hq, hkv, n, d, seed):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, n, d, generator=gen)
-    k = torch.randn(b, hkv, n, d, generator=gen)
-    k[:, :, : min(4, n)] += 3  # sink-like
-    q += 1
-    return q, k
-
-
 @pytest.mark.parametrize("n", [1, 127, 128, 129, 1000])
 @pytest.mark.parametrize("b,hq,hkv", [(2, 2, 2), (1, 4, 1)])
 def test_invariants_and_execution(n, b, hq, hkv):
     d = 16
-    q, k = structured_qk(b, hq, hkv, n, d, seed=n)
+    q, k = structured_qk(b, hq, hkv, n, d, seed=n, kind="sinks")
     v = torch.randn(b, hkv, n, d)
     sel = MInference(vertical_size=40, slash_size=60, sink_tokens=5, local_diagonals=10)
     pat = sel.select(q, k)
@@ -140,7 +132,7 @@ def test_all_diagonals_run_as_dense_causal():
 
 
 def test_density_monotone_in_ratio():
-    q, k = structured_qk(1, 2, 1, 3000, 16, seed=7)
+    q, k = structured_qk(1, 2, 1, 3000, 16, seed=7, kind="sinks")
     base = MInference(vertical_size=200, slash_size=400)
     dens = [base.with_knob(r).select(q, k).density() for r in (0.0, 0.1, 0.3, 1.0, 3.0)]
     assert all(a <= b for a, b in zip(dens, dens[1:]))
@@ -151,7 +143,7 @@ def test_density_monotone_in_ratio():
 
 
 def test_gqa_uses_own_kv_head():
-    q, k = structured_qk(1, 4, 2, 600, 16, seed=5)
+    q, k = structured_qk(1, 4, 2, 600, 16, seed=5, kind="sinks")
     sel = MInference(vertical_size=50, slash_size=80)
     a = sel.select(q, k)
     k2 = k.clone()

@@ -18,6 +18,7 @@ import sys
 import interpreter_suite
 import pytest
 import torch
+from conftest import assert_same_sets, structured_qk, within
 from interpreter_suite import CUDA, DEVICE, check_layout, kernel_test, lists_to_mask
 from rbs_bench.kernels.block_masks import compact_mask, forced_mask
 from rbs_bench.kernels.quest_select import (
@@ -39,19 +40,6 @@ from rbs_bench import methods
 EPS = 1e-3
 
 
-def structured_qk(b, hq, hkv, n, d, seed, dtype=torch.float32, device=DEVICE):
-    """Local (rotary-like) attention, sink-like first keys, and needle keys later rows read."""
-    g = torch.Generator().manual_seed(seed)
-    pos = torch.arange(n)[:, None] * torch.logspace(-2.5, 0, d // 2)[None, :]
-    rope = torch.cat([pos.cos(), pos.sin()], -1)
-    q = 2.0 * rope + torch.randn(b, hq, n, d, generator=g)
-    k = 2.0 * rope + torch.randn(b, hkv, n, d, generator=g)
-    k[:, :, :4] += 2 * torch.randn(b, hkv, 1, d, generator=g)
-    for j in torch.randint(0, n - 1, (4,), generator=g).tolist():
-        k[:, :, j] += 0.3 * q[:, :: hq // hkv, j:].sum(2).clamp(-4, 4)
-    return q.to(device, dtype), k.to(device, dtype)
-
-
 def boundary(scores: torch.Tensor, ratio: float, forced: torch.Tensor, eps: float) -> torch.Tensor:
     """bool [B, H, M, M]: candidates (not forced) within eps of the scores around the top-k cut."""
     m = scores.shape[-1]
@@ -62,18 +50,7 @@ def boundary(scores: torch.Tensor, ratio: float, forced: torch.Tensor, eps: floa
     kth = ranked.gather(-1, (top - 1).clamp(min=0).expand(*scores.shape[:-1], 1))
     nxt = ranked.gather(-1, top.clamp(max=m - 1).expand(*scores.shape[:-1], 1))
     cut = (top < cand.sum(-1, keepdim=True)) & (kth - nxt < eps)  # a near tie across the cut
-    near = ((scores - kth).abs() < eps) | ((scores - nxt).abs() < eps)
-    return near & cut & cand & ~forced
-
-
-def assert_same_sets(got, want, near, what=""):
-    b, h, m, _ = got.shape
-    cand_pairs = max(1, b * h * m * (m - 1) // 2)
-    assert int(near.sum()) <= max(3, 0.02 * cand_pairs), f"{int(near.sum())} boundary blocks {what}"
-    differ = (got != want) & ~near
-    assert not differ.any(), (
-        f"{int(differ.sum())} blocks differ ({int(near.sum())} excepted) {what}"
-    )
+    return within(scores, (kth, nxt), eps) & cut & cand & ~forced
 
 
 # (B, Hq, Hkv, N, D, block, dtype, launch options): partial last blocks, several key tiles
@@ -88,7 +65,7 @@ SCORE_CASES = [
 @pytest.mark.parametrize("case", SCORE_CASES, ids=lambda c: f"N{c[3]}-bs{c[5]}-{str(c[6])[6:]}")
 def test_scores_match_ref(case):
     b, hq, hkv, n, d, bs, dtype, opts = case
-    q, k = structured_qk(b, hq, hkv, n, d, seed=n, dtype=dtype)
+    q, k = structured_qk(b, hq, hkv, n, d, seed=n, dtype=dtype, device=DEVICE)
     kmin, kmax = box_stats(k, bs)
     kmin0, kmax0 = box_stats_ref(k, bs)
     assert torch.equal(kmin.float(), kmin0) and torch.equal(kmax.float(), kmax0)
@@ -123,7 +100,7 @@ def test_top_fraction_select_matches_ref_exactly(ratio, forced):
 @kernel_test
 @pytest.mark.parametrize("ratio", [0.2])
 def test_select_matches_ref(ratio):
-    q, k = structured_qk(1, 2, 1, 400, 16, seed=3)
+    q, k = structured_qk(1, 2, 1, 400, 16, seed=3, device=DEVICE)
     kmin, kmax = box_stats_ref(k, 32)
     forced = (2, 2, 1)
     count, idx = quest_select(q, kmin, kmax, 32, ratio, *forced)
@@ -138,7 +115,7 @@ def test_select_matches_ref(ratio):
 
 @kernel_test
 def test_method_impls_agree():
-    q, k = structured_qk(1, 2, 1, 300, 16, seed=4, dtype=torch.float16)
+    q, k = structured_qk(1, 2, 1, 300, 16, seed=4, dtype=torch.float16, device=DEVICE)
     fields = {"block_size": 32, "ratio": 0.2, "window_blocks": 2}
     got = methods.build("quest", impl="triton", **fields).select(q, k)
     want = methods.build("quest", impl="torch", **fields).select(q, k)

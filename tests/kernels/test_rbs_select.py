@@ -21,6 +21,7 @@ import sys
 import interpreter_suite
 import pytest
 import torch
+from conftest import assert_same_sets, structured_qk, within
 from interpreter_suite import CUDA, DEVICE, check_layout, kernel_test, lists_to_mask
 from rbs_bench.kernels.block_masks import candidate_mask, forced_mask
 from rbs_bench.kernels.block_scores import block_scores_ref
@@ -32,18 +33,6 @@ from rbs_bench import methods
 
 EPS = 1e-3
 FLOATS = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-
-
-def structured_qk(b, hq, hkv, n, d, seed, dtype=torch.float32, device=DEVICE):
-    """Random q/k with a shared key direction and dispersed blocks holding one strong key."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, n, d, generator=g)
-    k = torch.randn(b, hkv, n, d, generator=g) * 0.3
-    k += torch.randn(b, hkv, 1, d, generator=g)
-    for j in range(0, n, 97):
-        k[:, :, j] += 4 * q[:, :: hq // hkv, min(n - 1, j + 5)]
-        k[:, :, j + 1 : j + 30] *= 2.5
-    return (q * 1.5).to(device, dtype), k.to(device, dtype)
 
 
 def boundary(q, centroid, uplift, bs, alphas, branches, forced, scale=None):
@@ -65,16 +54,8 @@ def boundary(q, centroid, uplift, bs, alphas, branches, forced, scale=None):
     for s, alpha in zip(scores, alphas):
         row_max = s.masked_fill(~cand, -math.inf).amax(-1, keepdim=True)
         thr = row_max + (math.log(alpha) if alpha > 0 else -math.inf)
-        near |= cand & ((s - thr).abs() < eps)
+        near |= cand & within(s, (thr,), eps)
     return near & ~forced, eps
-
-
-def assert_same_sets(got, want, near, what=""):
-    b, h, m, _ = got.shape
-    cand_pairs = max(1, b * h * m * (m - 1) // 2)
-    assert int(near.sum()) <= max(3, 0.02 * cand_pairs), f"{int(near.sum())} boundary blocks {what}"
-    differ = (got != want) & ~near
-    assert not differ.any(), f"{int(differ.sum())} blocks differ {what}"
 
 
 # --------------------------------------------------------------------------------- block_stats
@@ -86,7 +67,7 @@ def assert_same_sets(got, want, near, what=""):
     "n,bs,d", [(1, 32, 64), (127, 64, 64), (128, 64, 128), (129, 64, 64), (1000, 128, 128)]
 )
 def test_block_stats_matches_ref(n, bs, d, dtype):
-    k = structured_qk(2, 2, 2, n, d, seed=n, dtype=dtype)[1]
+    k = structured_qk(2, 2, 2, n, d, seed=n, dtype=dtype, kind="needles", device=DEVICE)[1]
     c, r = block_stats(k, bs)
     c0, r0 = block_stats_ref(k, bs)
     assert c.dtype == r.dtype == torch.float32
@@ -133,7 +114,7 @@ def _case_id(c):
 
 def _inputs(case, seed):
     b, hq, hkv, n, d, bs, dtype, branches, ab, ar, sink, win, last = case
-    q, k = structured_qk(b, hq, hkv, n, d, seed, dtype)
+    q, k = structured_qk(b, hq, hkv, n, d, seed, dtype=dtype, kind="needles", device=DEVICE)
     c, r = block_stats_ref(k, bs)
     uplift = r * rescue_beta_ref(r)
     args = (q, c, uplift, bs, ab, ar, sink, win, last)
@@ -301,7 +282,7 @@ def test_rbs_select_scale_and_bad_input():
 @pytest.mark.parametrize("name", ["rbs", "centroid", "full_l2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_methods_triton_matches_torch(name, dtype):
-    q, k = structured_qk(1, 4, 2, 777, 64, seed=11, dtype=dtype)
+    q, k = structured_qk(1, 4, 2, 777, 64, seed=11, dtype=dtype, kind="needles", device=DEVICE)
     fields = {"block_size": 64}
     got = methods.build(name, impl="triton", **fields).select(q, k)
     want = methods.build(name, impl="torch", **fields).select(q, k)

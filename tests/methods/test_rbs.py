@@ -4,12 +4,16 @@ import math
 
 import pytest
 import torch
+from conftest import structured_qk
 from rbs_bench.kernels.block_stats import block_stats_ref, rescue_beta_ref
 
 from rbs_bench import methods
 from rbs_bench.methods.selection import BlockSelection
 
 EPS = 1e-3  # blocks whose score sits this close to a threshold (log space) are not compared
+
+# the needles of `structured_qk` here: a diluted needle every 192 tokens
+NEEDLES = {"stride": 192, "span": 40, "reader": 7}
 
 
 def spec_selection(name, q, k, fields, scale=None):
@@ -66,18 +70,6 @@ def spec_selection(name, q, k, fields, scale=None):
     return kept | forced, near & ~forced  # forced blocks are kept whatever their score
 
 
-def structured_qk(b, hq, hkv, n, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, n, d, generator=g)
-    k = torch.randn(b, hkv, n, d, generator=g) * 0.3
-    k += torch.randn(b, hkv, 1, d, generator=g)  # shared direction: sink-like bias
-    # a few dispersed blocks hold one strong key each (a diluted needle)
-    for j in range(0, n, 192):
-        k[:, :, j] += 4 * q[:, :: hq // hkv, min(n - 1, j + 7)]
-        k[:, :, j + 1 : j + 40] *= 2.5
-    return q * 1.5, k
-
-
 CASES = [  # (name, fields)
     ("rbs", {}),
     ("rbs", {"alpha_base": 0.5, "alpha_rescue": 0.05, "block_size": 32}),
@@ -97,7 +89,9 @@ CASES = [  # (name, fields)
 @pytest.mark.parametrize("name,fields", CASES)
 @pytest.mark.parametrize("n,hq,hkv", [(1000, 4, 2), (777, 2, 2), (1025, 8, 1), (3000, 2, 1)])
 def test_matches_spec(name, fields, n, hq, hkv):
-    q, k = structured_qk(2 if n == 777 else 1, hq, hkv, n, 32, seed=n + hq)
+    q, k = structured_qk(
+        2 if n == 777 else 1, hq, hkv, n, 32, seed=n + hq, kind="needles", **NEEDLES
+    )
     got = methods.build(name, **fields).select(q, k).mask()
     want, near = spec_selection(name, q, k, fields)
     assert near.float().mean() < 0.02, "too many boundary blocks for a meaningful comparison"
@@ -109,7 +103,7 @@ def test_matches_spec(name, fields, n, hq, hkv):
 
 
 def test_scale_argument_is_used():
-    q, k = structured_qk(1, 2, 1, 640, 32, seed=3)
+    q, k = structured_qk(1, 2, 1, 640, 32, seed=3, kind="needles", **NEEDLES)
     got = methods.build("rbs", block_size=32).select(q, k, scale=0.05).mask()
     want, near = spec_selection("rbs", q, k, {"block_size": 32}, scale=0.05)
     assert not ((got != want) & ~near).any()
@@ -141,7 +135,7 @@ def test_tiny_sequences_keep_diagonal(n):
 
 
 def test_gqa_uses_own_kv_head():
-    q, k = structured_qk(1, 4, 2, 1024, 32, seed=5)
+    q, k = structured_qk(1, 4, 2, 1024, 32, seed=5, kind="needles", **NEEDLES)
     full = methods.build("centroid", block_size=64).select(q, k).mask()
     # query heads 2-3 read KV head 1: replacing KV head 0 must not move their selection
     k2 = k.clone()
@@ -153,7 +147,7 @@ def test_gqa_uses_own_kv_head():
 
 @pytest.mark.parametrize("name", ["rbs", "centroid", "full_l2"])
 def test_knob_is_monotone(name):
-    q, k = structured_qk(1, 2, 1, 2048, 32, seed=9)
+    q, k = structured_qk(1, 2, 1, 2048, 32, seed=9, kind="needles", **NEEDLES)
     sel = methods.build(name, block_size=64)
     dens = [sel.with_knob(v).select(q, k).density() for v in (0.0, 0.05, 0.3, 1.0, 5.0)]
     assert all(a >= b for a, b in zip(dens, dens[1:]))

@@ -1,6 +1,6 @@
 """Every registered method's `select` rejects inputs it cannot select on, with a ValueError that
-says what is wrong: non-finite q/k, no tokens, non-float dtypes (methods/selection.py
-`check_inputs`)."""
+says what is wrong: non-finite q/k, scores past float32, no tokens, non-float dtypes
+(methods/selection.py `check_inputs`)."""
 
 from __future__ import annotations
 
@@ -51,11 +51,13 @@ def test_select_accepts_finite_float_inputs(name):
     assert 0 < sel.density() <= 1
 
 
-def test_huge_finite_values_are_not_mistaken_for_inf():
+def test_huge_finite_values_are_refused_as_overflow_not_mistaken_for_inf():
     q, k = _qk()
-    q[..., 0] = 3e38  # each finite in fp32; their sum overflows
-    sel = methods.build("rbs", impl="torch").select(q, k)
-    assert 0 < sel.density() <= 1
+    q[..., 0] = 3e38  # each finite in fp32; their norm and every score with them overflow
+    with pytest.raises(ValueError, match="too large for float32 scores"):
+        methods.build("rbs", impl="torch").select(q, k)
+    q[..., 0] = 1e6  # large, yet every score fits float32 many times over
+    assert 0 < methods.build("rbs", impl="torch").select(q, k).density() <= 1
 
 
 def test_finite_check_is_skipped_where_the_caller_made_it():

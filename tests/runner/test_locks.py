@@ -55,7 +55,8 @@ from rbs_bench import calibrations
 
 who = int(sys.argv[1])
 cfg = OmegaConf.create(
-    {{"calibration": {{"dir": {dir!r}}}, "model": {{"name": "tiny"}}, "method": {{"name": "rbs"}}}}
+    {{"calibration": {{"dir": {dir!r}}}, "model": {{"name": "tiny", "hf_id": None}},
+     "method": {{"name": "rbs"}}}}
 )
 {at_go}for i in range({n}):
     target = round(0.001 * (2 * i + who + 1), 6)

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_module
 
 from rbs_bench import calibrate, calibrations, config
 from rbs_bench.config import UserError
-from rbs_bench.records import read_records
+from rbs_bench.records import read_records, seal
 from rbs_bench.runner import run_cell
 from rbs_bench.session import Session, build_selector
 
@@ -81,7 +81,7 @@ def test_every_record_is_compared_not_only_cell_json(results):
     path = results / CELL / "records.jsonl"
     rec = read_records(path)[0]
     rec["method_fields"]["block_size"] = 64
-    path.write_text(json.dumps(rec) + "\n")
+    path.write_text(json.dumps(seal(rec)) + "\n")  # as if recorded so
     with pytest.raises(UserError, match=r"method.block_size=64, but this run has .*=128"):
         run_cell(_cfg(results), EXPERIMENT, NoModel())
 
@@ -89,7 +89,7 @@ def test_every_record_is_compared_not_only_cell_json(results):
 def test_cell_json_holds_what_older_records_lack(results):
     path = results / CELL / "records.jsonl"
     rec = read_records(path)[0]
-    for key in ("max_new_tokens", "benchmark_seed", "model_identity"):
+    for key in ("max_new_tokens", "benchmark_seed", "model_identity", "checksum"):
         del rec[key]  # a record from before they were recorded
     path.write_text(json.dumps(rec) + "\n")
     with pytest.raises(UserError, match=r"cell.json .*benchmark.max_new_tokens=2, but .*=3"):
@@ -111,6 +111,7 @@ def test_a_failed_run_leaves_nothing_that_blocks_the_corrected_run(tmp_path, ses
     cell = tmp_path / CELL
     assert not (cell / "cell.json").exists() and not (cell / "records.jsonl").exists()
     # a cell.json left by an older version's failed run, with no record beside it, is ignored
+    cell.mkdir(parents=True, exist_ok=True)
     (cell / "cell.json").write_text(json.dumps({"model.hf_id": "/nonexistent/model"}))
     run_cell(_cfg(tmp_path), EXPERIMENT, session)
     assert len(read_records(cell / "records.jsonl")) == 1

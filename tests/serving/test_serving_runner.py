@@ -66,10 +66,22 @@ def test_prompts_are_seeded_and_a_batch_extends_the_single_prompt():
 
 
 def test_budget_from_a_calibration_file(tmp_path):
-    (tmp_path / "tiny").mkdir()
-    (tmp_path / "tiny" / "rbs.yaml").write_text(
-        "model: tiny\nmethod: rbs\nentries:\n- {target: 0.05, knob: 1.75, density_mean: 0.05}\n"
+    from omegaconf import OmegaConf
+
+    from rbs_bench import calibrations
+
+    cfg = OmegaConf.create(
+        {
+            "calibration": {"dir": str(tmp_path)},
+            "model": {"name": "tiny", "hf_id": None},
+            "method": {"name": "rbs"},
+        }
     )
+    entry = {"target": 0.05, "knob": 1.75, "knob_name": "alpha_scale", "density_mean": 0.05}
+    path = calibrations.store(cfg, entry | {"abs_error": 0.0})
     assert serving.calibrated_knob(str(tmp_path), "tiny", "rbs", 0.05) == 1.75
     with pytest.raises(UserError, match="python -m rbs_bench.calibrate"):
         serving.calibrated_knob(str(tmp_path), "tiny", "rbs", 0.02)
+    path.write_text(path.read_text().replace("knob: 1.75", "knob: 2.5"))  # edited by hand
+    with pytest.raises(UserError, match="does not match its digest"):
+        serving.calibrated_knob(str(tmp_path), "tiny", "rbs", 0.05)

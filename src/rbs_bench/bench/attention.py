@@ -42,6 +42,7 @@ from rbs_bench.execution import EXECUTORS, execute
 from rbs_bench.kernels.block_sparse_attn import block_sparse_attention_ref
 from rbs_bench.kernels.flex_attn import flex_block_sparse_attention
 from rbs_bench.methods.selection import BlockSelection
+from rbs_bench.paths import speed_dir
 
 DENSE = ("sdpa_fa2", "sdpa_cudnn", "flex_dense")
 DEFAULT_FAMILY = "synthetic"
@@ -616,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         default=0.0,
         help="stop starting new lengths / methods after this many seconds (0: no limit)",
     )
-    ap.add_argument("--out", type=Path, default=Path("results/speed"))
+    ap.add_argument("--out", type=Path, default=speed_dir("results"))
     ap.add_argument("--name", default="attention", help="file stem: <name>_<gpu>.csv/.png")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -28,6 +28,7 @@ import torch
 
 from rbs_bench import methods, synthetic
 from rbs_bench.bench.attention import calibrate, do_bench, gpu_tag
+from rbs_bench.paths import speed_dir
 
 AGREE = 1e-3  # tolerated share of differing kept entries (ties of the estimate within rounding)
 
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement")
-    ap.add_argument("--out", type=Path, default=Path("results/speed"))
+    ap.add_argument("--out", type=Path, default=speed_dir("results"))
     args = ap.parse_args(argv)
     unknown = [m for m in args.methods if m not in choices]
     if unknown:

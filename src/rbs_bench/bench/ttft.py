@@ -81,7 +81,8 @@ from transformers.masking_utils import sdpa_mask
 
 from rbs_bench import methods
 from rbs_bench.budget import knob_value
-from rbs_bench.config import TimingCfg, UserError
+from rbs_bench.config import TimingCfg
+from rbs_bench.errors import UserError
 from rbs_bench.models.hf_attention import (
     attention_modules,
     install,
@@ -89,6 +90,7 @@ from rbs_bench.models.hf_attention import (
     uninstall,
 )
 from rbs_bench.models.memory import use_expandable_segments
+from rbs_bench.paths import speed_dir, tables_dir
 from rbs_bench.records import write_atomic
 
 MiB = 2**20
@@ -1162,15 +1164,13 @@ def run_experiment(cfg, experiment: str) -> list[Path]:
             "random-weight model; choose it with timing.model=tiny|qwen3_30b_a3b"
         )
     tc = cfg.timing
-    out = Path(tc.out_dir) if tc.out_dir else Path(cfg.results_dir) / "speed"
+    out = Path(tc.out_dir) if tc.out_dir else speed_dir(cfg.results_dir)
     s = resolve(tc, cfg.device, cfg.executor, out, progress=cfg.progress)
     df = run(s)
     if df.empty:
         raise UserError("no rows were timed; see the errors above")
     names = [experiment] if experiment in timing.EXPERIMENTS else timing.EXPERIMENTS
-    paths = timing.build_tables(
-        s.csv, Path(cfg.results_dir), Path(cfg.results_dir) / "tables", names
-    )
+    paths = timing.build_tables(s.csv, Path(cfg.results_dir), tables_dir(cfg.results_dir), names)
     for p in paths:
         if p.suffix == ".md":
             print(f"\n{p}:\n{p.read_text()}")
@@ -1225,7 +1225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sdpa-backend", default=d.sdpa_backend, choices=SDPA_BACKENDS)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--device", default="auto")
-    ap.add_argument("--out", type=Path, default=Path("results/speed"))
+    ap.add_argument("--out", type=Path, default=speed_dir("results"))
     ap.add_argument(
         "--time-budget-s",
         type=float,

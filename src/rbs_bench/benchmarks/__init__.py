@@ -43,6 +43,10 @@ class Benchmark(Protocol):
     check_data  (task, data) -> None, or ValueError with one line when a data source the task
                 needs is missing or unreadable; called before any model is loaded
     aggregate   (records DataFrame) -> the benchmark's summary DataFrame
+
+    Optional: MAX_SAMPLES, the most samples `generate` can make for one task and length (a
+    benchmark that generates its prompts); a larger benchmark.num_samples stops before anything
+    is generated.
     """
 
     VERSION: str

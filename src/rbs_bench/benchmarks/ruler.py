@@ -62,6 +62,11 @@ from typing import Any, Protocol
 
 # Bump the suffix whenever prompts, fitting or RNG call order change: it goes into every result row.
 VERSION = "ruler-c3f5e3b.rbs2"
+# The most prompts `generate` makes for one task and length. Every prompt of a cell is built and
+# held before the first sample runs (a 128K-token prompt is ~0.5 MB of text), and the draws come
+# from one RNG in order, so a count is only as cheap as its prompts: 100,000 at 4K tokens already
+# take minutes and gigabytes. Upstream RULER generates 500 per task.
+MAX_SAMPLES = 100_000
 
 
 class Encoder(Protocol):

@@ -28,6 +28,7 @@ from rbs_bench.kernels.block_sparse_attn import (
     block_mask_from_lists,
 )
 from rbs_bench.kernels.quest_select import top_fraction
+from rbs_bench.kernels.shapes import check_qk
 from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 
 __all__ = [
@@ -62,24 +63,27 @@ def finite_checked():
         _FINITE_CHECKED.reset(token)
 
 
+# The largest |q_t . k_s| (and ||q_t||^2, ||k_s||^2) a selection may meet: every selector scores
+# in float32, whose range ends at 3.4e38, and sums, bounds and softmaxes of such scores must stay
+# inside it, so the inputs' norms must leave that many orders of magnitude of headroom.
+SCORE_LIMIT = 1e30
+
+
 def check_inputs(q: Tensor, k: Tensor) -> None:
     """The checks every `select` runs first: q [B, Hq, N, D] and k [B, Hkv, N, D], Hq a multiple
-    of Hkv, floating point, no empty dimension (N = 0 has no blocks), and finite values.
+    of Hkv (`check_qk`), floating point, no empty dimension (N = 0 has no blocks), finite values,
+    and values whose scores fit float32.
 
-    A NaN or Inf would not fail later: it silently changes which blocks a threshold keeps. The
-    finiteness test is one fp32-accumulated sum over q and one over k (NaN and Inf survive a sum;
-    no bool copy of the inputs is made; an exact `isfinite` pass only when that sum is not
-    finite) and one host sync; inside `finite_checked()` it is skipped.
+    A NaN or Inf would not fail later: it silently changes which blocks a threshold keeps, and so
+    do finite inputs whose scores overflow (q and k scaled by 1e30). Both tests read one
+    fp32-accumulated Frobenius norm of q and one of k (NaN and Inf survive it; no copy of the
+    inputs is made) with one host sync: by Cauchy-Schwarz every score |q_t . k_s| and every
+    squared row norm is at most the product of the two norms (or a norm squared), which must stay
+    below SCORE_LIMIT; an exact `isfinite` pass runs only when a norm is not finite, to tell a
+    NaN or Inf from an overflow. Inside `finite_checked()` both are skipped.
     Raises ValueError.
     """
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"q and k must be [B, H, N, D], got {tuple(q.shape)}, {tuple(k.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on B, N or D")
-    if q.shape[1] % max(k.shape[1], 1):
-        raise ValueError(
-            f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})"
-        )
+    check_qk(q, k)
     if not (q.dtype.is_floating_point and k.dtype.is_floating_point):
         raise ValueError(
             f"q and k must be floating point (float16, bfloat16, float32), got {q.dtype}, "
@@ -90,15 +94,30 @@ def check_inputs(q: Tensor, k: Tensor) -> None:
             f"q {tuple(q.shape)} and k {tuple(k.shape)} are empty (N = 0 tokens, or no batch, "
             "heads or head dim): there is nothing to select"
         )
-    if not _FINITE_CHECKED.get():
-        total = q.sum(dtype=torch.float32) + k.sum(dtype=torch.float32)
-        if not bool(torch.isfinite(total)):  # exact test only now (a sum of huge values overflows)
-            for name, t in (("q", q), ("k", k)):
-                if not bool(torch.isfinite(t).all()):
-                    raise ValueError(
-                        f"{name} holds NaN or Inf values; the selection of non-finite scores "
-                        "would be meaningless (check the model's dtype and activations)"
-                    )
+    if _FINITE_CHECKED.get():
+        return
+    norms = torch.stack(
+        [torch.linalg.vector_norm(t, dtype=torch.float32).to(q.device) for t in (q, k)]
+    )
+    qn, kn = norms.tolist()
+    if not (math.isfinite(qn) and math.isfinite(kn)):  # exact test only now
+        for name, t in (("q", q), ("k", k)):
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(
+                    f"{name} holds NaN or Inf values; the selection of non-finite scores "
+                    "would be meaningless (check the model's dtype and activations)"
+                )
+    if max(qn * kn, qn * qn, kn * kn) > SCORE_LIMIT:
+        size = (
+            f"norms {qn:.3g} and {kn:.3g}: a score q.k may reach {qn * kn:.3g}"
+            if math.isfinite(qn * kn)
+            else "their norms overflow float32"
+        )
+        raise ValueError(
+            f"q and k are too large for float32 scores ({size}, past {SCORE_LIMIT:g}); the "
+            "selection of overflowing scores would be meaningless (check the model's dtype and "
+            "activations)"
+        )
 
 
 def num_blocks(n: int, block: int) -> int:

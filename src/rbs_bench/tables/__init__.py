@@ -24,13 +24,12 @@ command also runs.
     thresholds         Table 10 (tab:threshold_sensitivity)      threshold pairs
     calibration_cost   Table 11 (tab:calibration)                methods: cost and max error
 
-The paper values file is built from the paper's LaTeX source by `paper.paper_values_from_tex` and
-checked by hand; `--paper-tex PATH` re-parses the source and reports every cell that differs from
-the file (`--write-paper-values` rewrites the file instead).
+The paper values file, results/paper/paper_values.csv, is the one copy of the paper's numbers:
+each value as printed, with the line of the paper's source that prints it.
 
 The package, each module importing only those above it:
 
-    paper.py    the paper's values (LaTeX parser, paper_values.csv, PaperValues)
+    paper.py    the paper's values (paper_values.csv, PaperValues)
     render.py   Cell and Table, Markdown and LaTeX, method and context labels
     layout.py   cell means and intervals, the generic layouts GridSpec / RowSpec / SummarySpec
     specs.py    each experiment's table spec (SPECS, LOADERS)

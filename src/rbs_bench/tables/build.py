@@ -10,16 +10,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from rbs_bench.config import UserError
+from rbs_bench import paths
+from rbs_bench.errors import UserError
 from rbs_bench.records import write_atomic
 from rbs_bench.report import load_records
 from rbs_bench.tables import timing
-from rbs_bench.tables.paper import (
-    PaperValues,
-    check_paper_values,
-    paper_values_csv,
-    paper_values_from_tex,
-)
+from rbs_bench.tables.paper import PaperValues
 from rbs_bench.tables.render import Table, to_latex, to_markdown
 from rbs_bench.tables.specs import LOADERS, SPECS, SUMMARY
 
@@ -40,7 +36,7 @@ def build_tables(results: Path, out: Path, paper_values: Path) -> list[Path]:
     """Write <out>/<experiment>_<model>.md and .tex for every results/runs/<experiment>/<model>."""
     pv = PaperValues.load(paper_values)
     written = []
-    for exp_dir in sorted(p for p in (Path(results) / "runs").glob("*/*") if p.is_dir()):
+    for exp_dir in paths.experiment_dirs(results):
         experiment, model = exp_dir.parent.name, exp_dir.name
         if experiment in LOADERS:
             load, spec = LOADERS[experiment]
@@ -63,12 +59,11 @@ def build_tables(results: Path, out: Path, paper_values: Path) -> list[Path]:
 
 def build_timing_tables(results: Path, out: Path) -> list[Path]:
     """The timing experiments' tables and speed figure (timing.py); [] without TTFT CSVs."""
-    if not any((Path(results) / "speed").glob("ttft_*.csv")):
+    if not any(paths.speed_dir(results).glob("ttft_*.csv")):
         return []
-    if not (Path(results) / "paper" / "paper_values.csv").exists():
+    if not paths.paper_values_file(results).exists():
         print(
-            f"no timing tables: they read {Path(results) / 'paper' / 'paper_values.csv'}, "
-            "which is missing",
+            f"no timing tables: they read {paths.paper_values_file(results)}, which is missing",
             file=sys.stderr,
         )
         return []
@@ -82,20 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--paper-values", type=Path, default=None, help="default: <results>/paper/paper_values.csv"
     )
-    ap.add_argument("--paper-tex", type=Path, help="check the values file against this source")
-    ap.add_argument("--write-paper-values", action="store_true", help="with --paper-tex")
     args = ap.parse_args(argv)
-    values = args.paper_values or args.results / "paper" / "paper_values.csv"
+    values = args.paper_values or paths.paper_values_file(args.results)
     try:
-        if args.paper_tex:
-            if args.write_paper_values:
-                write_atomic(values, paper_values_csv(paper_values_from_tex(args.paper_tex)))
-                print(f"wrote {values}")
-                return 0
-            diffs = check_paper_values(args.paper_tex, values)
-            print("\n".join(diffs) or f"{values} agrees with {args.paper_tex}")
-            return 1 if diffs else 0
-        out = args.out or args.results / "tables"
+        out = args.out or paths.tables_dir(args.results)
         written = build_tables(args.results, out, values)
         written += build_timing_tables(args.results, out)
     except UserError as e:

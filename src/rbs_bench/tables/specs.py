@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from rbs_bench import benchmarks, methods
-from rbs_bench.config import UserError
+from rbs_bench.errors import UserError
 from rbs_bench.tables.layout import (
     Axis,
     Column,

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from rbs_bench import methods
-from rbs_bench.config import UserError
+from rbs_bench import methods, paths
+from rbs_bench.errors import UserError
 from rbs_bench.methods import DENSE
 from rbs_bench.models.rehearsal import full_depth
 from rbs_bench.records import write_atomic
@@ -627,7 +627,7 @@ def build_tables(
 ) -> list[Path]:
     """Write <out_dir>/<experiment>_<device>.md and .tex (and speed's .png) from one TTFT CSV;
     a CSV with several settings (model, layers, target) gets one set per setting."""
-    pv = PaperValues.load(Path(results_dir) / "paper" / "paper_values.csv")
+    pv = PaperValues.load(paths.paper_values_file(results_dir))
     csv = Path(csv)
     tag = _tag(csv)
     written = []
@@ -668,7 +668,7 @@ def _write_experiment(experiment, df, csv, tag, suffix, pv, out_dir: Path) -> li
 def build(results_dir: Path, out_dir: Path) -> list[Path]:
     """Every timing table and figure from <results_dir>/speed/ttft_*.csv, into out_dir."""
     written = []
-    for csv in sorted((Path(results_dir) / "speed").glob("ttft_*.csv")):
+    for csv in sorted(paths.speed_dir(results_dir).glob("ttft_*.csv")):
         written += build_tables(csv, results_dir, out_dir)
     return written
 
@@ -679,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="default: <results>/tables")
     args = ap.parse_args(argv)
     try:
-        written = build(args.results, args.out or args.results / "tables")
+        written = build(args.results, args.out or paths.tables_dir(args.results))
     except UserError as e:
         print(f"rbs-bench: error: {e}", file=sys.stderr)
         return 2

@@ -40,7 +40,6 @@ from importlib.resources import files
 import numpy as np
 
 EOS_ID = 256  # <|endoftext|> of the byte-level tokenizer (rbs_bench.models.tiny)
-PAD_TASK = -1
 
 # Sampling weights of the tasks in a training row.
 MIXTURE: dict[str, float] = {
