@@ -239,3 +239,17 @@ def test_recorder_recall_per_layer_only_when_asked():
     logits(model, random_ids(600))
     assert rec.summary()["recall_layers"] == [1.0, 1.0]
     assert rec.summary()["recall_s"] == 0
+
+
+def test_the_hook_refuses_queries_whose_scores_overflow_float32():
+    """Finite q and k can still give scores past float32 (the selection API refuses them too):
+    the hook's per-layer check bounds every score by D max|q| max|k|."""
+    from rbs_bench.models.hf_attention import PrefillRecorder, _check_finite
+
+    q, k = torch.randn(1, 2, 64, 16), torch.randn(1, 1, 64, 16)
+    _check_finite(q, k, 0, PrefillRecorder())  # ordinary values pass
+    with pytest.raises(FloatingPointError, match="overflow float32"):
+        _check_finite(q * 1e16, k * 1e16, 3, PrefillRecorder())
+    k[0, 0, 5, 1] = float("nan")
+    with pytest.raises(FloatingPointError, match="NaN/Inf in layer 7"):
+        _check_finite(q, k, 7, PrefillRecorder())

@@ -25,7 +25,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from rbs_bench.methods.selection import finite_checked
+from rbs_bench.methods.selection import SCORE_LIMIT, finite_checked
 
 ATTN_IMPL = "rbs_sparse"
 _STATE = "_rbs_state"  # attribute on each attention module
@@ -130,7 +130,10 @@ class _State:
 
 
 def _nonfinite_message(layer: int) -> str:
-    return f"NaN/Inf in layer {layer} queries/keys; check model dtype"
+    return (
+        f"NaN/Inf in layer {layer} queries/keys, or values so large that their scores overflow "
+        f"float32 (past {SCORE_LIMIT:g}); check the model's dtype and weights"
+    )
 
 
 def register() -> None:
@@ -272,10 +275,15 @@ def rbs_attention_forward(
 
 
 def _check_finite(query: Tensor, key: Tensor, layer: int, rec: PrefillRecorder) -> None:
-    # max |x| is NaN or inf exactly when x holds a NaN or an inf: one reduction per tensor,
-    # no [B, H, N, D] bool buffer (0-dim, no sync yet)
+    """The selection API's input rule (`methods.selection.check_inputs`) at a layer's cost: no
+    NaN or Inf, and no score q.k that overflows float32. max |x| is NaN or inf exactly when x holds
+    a NaN or an inf, and every score is at most D max|q| max|k|: one reduction per tensor, no
+    [B, H, N, D] buffer, no host sync yet (a 0-dim flag)."""
     inf = float("inf")
-    bad = ~torch.isfinite(torch.linalg.vector_norm(query, inf) + torch.linalg.vector_norm(key, inf))
+    qm = torch.linalg.vector_norm(query, inf, dtype=torch.float32)
+    km = torch.linalg.vector_norm(key, inf, dtype=torch.float32)
+    bound = qm * km * query.shape[-1]
+    bad = ~(torch.isfinite(qm + km) & (bound <= SCORE_LIMIT))
     if query.is_cuda and not rec.timing:
         rec._pending.append((layer, bad))  # checked at summary(): no extra host sync here
     elif bool(bad):
