@@ -190,14 +190,18 @@ def block_sparse_attention_ref(
     block_k: int,
     scale: float | None = None,
     return_lse: bool = False,
+    chunk_elements: int = 1 << 19,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Block-sparse causal prefill attention in PyTorch, one query block at a time.
+    """Block-sparse causal prefill attention in PyTorch, several query blocks at a time.
 
     q [B, Hq, N, D], k/v [B, Hkv, N, D] (query head h reads kv head h // (Hq // Hkv)),
     kv_count int32 [B, Hq, Mq], kv_indices int32 [B, Hq, Mq, Mk]. Only the kept key blocks are
-    gathered, so the cost scales with density; the gathered keys of one query block are
-    [B, Hq, max count, block_k, D]. The softmax runs in fp32; a query row that sees no key gets
-    output 0 and lse -inf.
+    gathered, so the cost scales with density: a run of consecutive query blocks gathers its kept
+    key blocks, padded to the run's largest count C, as [B, Hq, blocks, C * block_k, D], and scores
+    them as one batched product. A run holds as many query blocks as keep its fp32 scores within
+    `chunk_elements` (at least one block; 2^19, 2 MiB, by default: a CPU core's cache). Kept ids
+    past the last key block are ignored. The softmax runs in fp32; a query row that sees no key
+    gets output 0 and lse -inf.
 
     Returns out [B, Hq, N, D] in q's dtype, and with `return_lse` also the natural-log
     logsumexp of the scaled scores, fp32 [B, Hq, N].
@@ -207,44 +211,61 @@ def block_sparse_attention_ref(
     group = hq // k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dev = q.device
+    mq, mk = math.ceil(n / block_q), math.ceil(n / block_k)
+    # whole blocks of fp32 rows: [B, Hq, Mq, Bq, D] and [B, Hkv, Mk, Bk, D] (zero-padded tails)
+    qb = F.pad(q.float(), (0, 0, 0, mq * block_q - n)).view(b, hq, mq, block_q, d)
+    kb = F.pad(k.float(), (0, 0, 0, mk * block_k - n)).view(b, -1, mk, block_k, d)
+    vb = F.pad(v.float(), (0, 0, 0, mk * block_k - n)).view(b, -1, mk, block_k, d)
+    out = torch.zeros(b, hq, mq, block_q, d, dtype=q.dtype, device=dev)
+    lse = torch.full((b, hq, mq, block_q), -math.inf, device=dev) if return_lse else None
 
-    out = torch.zeros_like(q)
-    lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=dev)
-    batch_idx = torch.arange(b, device=dev)[:, None, None]  # [B, 1, 1]
-    head_idx = (torch.arange(hq, device=dev) // group)[None, :, None]  # [1, Hq, 1] kv head
+    batch_idx = torch.arange(b, device=dev)[:, None, None, None]  # [B, 1, 1, 1]
+    head_idx = (torch.arange(hq, device=dev) // group)[None, :, None, None]  # kv head
     key_offsets = torch.arange(block_k, device=dev)
-    max_count = kv_count.amax(dim=(0, 1)).tolist()  # one host sync for all query blocks
+    q_offsets = torch.arange(block_q, device=dev)
+    no_key = torch.iinfo(torch.int64).max  # the position of a padded slot: after every query
+    counts = kv_count.amax(dim=(0, 1)).tolist()  # one host sync for all query blocks
+    per_row = b * hq * block_q * block_k  # score elements per query block and kept slot
 
-    for i, mc in enumerate(max_count):
-        if mc == 0:
-            continue  # no head keeps a key block: the rows stay 0 / -inf
-        q0, q1 = i * block_q, min((i + 1) * block_q, n)
-        slot_valid = torch.arange(mc, device=dev) < kv_count[:, :, i, None]  # [B, Hq, mc]
-        blocks = torch.where(slot_valid, kv_indices[:, :, i, :mc].long(), 0)  # [B, Hq, mc]
-        key_pos = blocks[..., None] * block_k + key_offsets  # [B, Hq, mc, Bk]
-        key_ok = slot_valid[..., None] & (key_pos < n)
-        key_pos = key_pos.clamp_max(n - 1).flatten(2)  # [B, Hq, L], L = mc * Bk
-        key_ok = key_ok.flatten(2)
+    i0 = 0
+    while i0 < mq:
+        i1, width = i0 + 1, counts[i0]  # the run [i0, i1) and its largest count
+        while i1 < mq and per_row * (i1 + 1 - i0) * max(width, counts[i1]) <= chunk_elements:
+            width = max(width, counts[i1])
+            i1 += 1
+        if width == 0:  # no head keeps a key block: the rows stay 0 / -inf
+            i0 = i1
+            continue
+        count = kv_count[:, :, i0:i1, None]  # [B, Hq, R, 1]
+        slot_ok = torch.arange(width, device=dev) < count  # [B, Hq, R, C]
+        ids = kv_indices[:, :, i0:i1, :width].long()
+        slot_ok &= (ids >= 0) & (ids < mk)
+        ids = torch.where(slot_ok, ids, 0)
+        key_pos = ids[..., None] * block_k + key_offsets  # [B, Hq, R, C, Bk]
+        key_pos = torch.where(slot_ok[..., None] & (key_pos < n), key_pos, no_key).flatten(3)
+        ks = kb[batch_idx, head_idx, ids].flatten(3, 4)  # [B, Hq, R, L, D], L = C * Bk
+        vs = vb[batch_idx, head_idx, ids].flatten(3, 4)
+        s = torch.matmul(qb[:, :, i0:i1], ks.transpose(-1, -2)).mul_(scale)  # [B, Hq, R, Bq, L]
+        q_pos = torch.arange(i0, i1, device=dev)[:, None] * block_q + q_offsets  # [R, Bq]
+        s.masked_fill_(key_pos[:, :, :, None, :] > q_pos[:, :, None], -math.inf)
+        seen = key_pos.amin(-1)[..., None] <= q_pos  # [B, Hq, R, Bq]: the row sees a key
+        if return_lse:
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            p = s.sub_(m).exp_()  # exactly 0 where masked
+            denom = p.sum(-1, keepdim=True)
+            acc = torch.matmul(p, vs) / denom.clamp_min(1e-30)
+            row_lse = (m + torch.log(denom.clamp_min(1e-30))).squeeze(-1)
+            lse[:, :, i0:i1] = torch.where(seen, row_lse, -math.inf)
+        else:
+            acc = torch.matmul(torch.softmax(s, -1), vs)  # NaN on rows that see no key
+        out[:, :, i0:i1] = torch.where(seen[..., None], acc, 0.0).to(q.dtype)
+        i0 = i1
 
-        ks = k[batch_idx, head_idx, key_pos].float()  # [B, Hq, L, D]
-        vs = v[batch_idx, head_idx, key_pos].float()
-        qi = q[:, :, q0:q1].float()  # [B, Hq, Tq, D]
-        s = torch.einsum("bhtd,bhld->bhtl", qi, ks) * scale  # [B, Hq, Tq, L]
-        q_pos = torch.arange(q0, q1, device=dev)
-        visible = key_ok[:, :, None, :] & (key_pos[:, :, None, :] <= q_pos[:, None])
-        s = s.masked_fill(~visible, float("-inf"))
-
-        m = s.amax(-1, keepdim=True)  # -inf on rows that see no key
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = torch.exp(s - m)  # exactly 0 where masked
-        denom = p.sum(-1, keepdim=True)  # [B, Hq, Tq, 1]
-        acc = torch.einsum("bhtl,bhld->bhtd", p, vs)
-        seen = denom > 0
-        out[:, :, q0:q1] = torch.where(seen, acc / denom.clamp_min(1e-30), 0.0).to(q.dtype)
-        row_lse = torch.where(seen, m + torch.log(denom.clamp_min(1e-30)), float("-inf"))
-        lse[:, :, q0:q1] = row_lse.squeeze(-1)
-
-    return (out, lse) if return_lse else out
+    out = out.view(b, hq, mq * block_q, d)[:, :, :n].contiguous()
+    if return_lse:
+        return out, lse.view(b, hq, mq * block_q)[:, :, :n].contiguous()
+    return out
 
 
 def block_sparse_attention_varlen_ref(
@@ -278,7 +299,7 @@ def block_sparse_attention_varlen_ref(
             # Kept ids past this sequence's own last block attend to nothing: drop them.
             kept = block_mask_from_lists(kv_count[s : s + 1], kv_indices[s : s + 1])
             count, indices = block_lists_from_mask(kept[:, :, :mq, :mk])
-            o, row_lse = block_sparse_attention_ref(
+            o = block_sparse_attention_ref(
                 q[:, :, rows],
                 k[:, :, rows],
                 v[:, :, rows],
@@ -287,9 +308,11 @@ def block_sparse_attention_varlen_ref(
                 block_q,
                 block_k,
                 scale=scale,
-                return_lse=True,
+                return_lse=return_lse,
             )
-            out[:, :, rows], lse[:, :, rows] = o, row_lse
+            if return_lse:
+                o, lse[:, :, rows] = o
+            out[:, :, rows] = o
         start += n
     return (out, lse) if return_lse else out
 
