@@ -172,9 +172,10 @@ def test_unknown_experiment_gets_the_summary_table(results):
         "my_sweep_tiny.tex",
     ]
     rows = _md_rows(files["my_sweep_tiny.md"])
-    assert rows["rbs"] == ["d5", "4", "5.50", "80.00 [33.7, 96.9]", "0.500"]
+    assert rows["RBS-Attention"] == ["d5", "4", "5.50", "80.00 [33.7, 96.9]", "0.500"]
     assert "my_sweep/tiny/xattn/d1/records.jsonl" in files["my_sweep_tiny.md"]
-    assert "rbs & d1 & 4 & 1.10 & 30.00 [6.3, 73.3] & 0.500 \\\\" in files["my_sweep_tiny.tex"]
+    tex = files["my_sweep_tiny.tex"]
+    assert "RBS-Attention & d1 & 4 & 1.10 & 30.00 [6.3, 73.3] & 0.500 \\\\" in tex
 
 
 def test_experiments_without_cell_records_are_skipped(results, capsys):

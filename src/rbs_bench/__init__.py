@@ -4,6 +4,8 @@ Imports point one way: each layer below imports only from the layers above it, a
 one layer import each other without a cycle (the pipelines not at all). tests/test_import_cycles.py
 checks both on every module, function-level imports included.
 
+    plugins                      entry points of installed distributions: loaded, checked, a
+                                   broken one skipped with one line
     kernels                      Triton kernels and their PyTorch references: torch and Triton only
     methods, baselines           the selection API, the selectors, the registry (methods.build),
                                  which finds the baselines and entry-point plugins

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from rbs_bench import methods
-from rbs_bench.report import CELL, NOISE_HALF_WIDTH, summarize, wilson
+from rbs_bench.report import NOISE_HALF_WIDTH, summarize, wilson
 from rbs_bench.tables.paper import PaperValues
 from rbs_bench.tables.render import MISSING, Cell, Table, display
 
@@ -523,7 +523,8 @@ class SummarySpec:
             cells["score"].interval, half = interval_text(r["score"], r["n"])
             if half > NOISE_HALF_WIDTH:
                 widest, ns = max(widest, half), ns + [int(r["n"])]
-            rows.append([Cell((str(r[c]),)) for c in CELL] + list(cells.values()))
+            rows.append([Cell((display(r["method"]),)), Cell((str(r["budget"]),))])
+            rows[-1] += list(cells.values())
         return [
             Table(
                 title=f"{experiment}: {model}",
