@@ -22,7 +22,8 @@ checks both on every module, function-level imports included.
     runner, calibrate,           the pipelines; none imports another
       observations, bench, serving
     figures                      the paper's figures, from records (observations' panels too)
-    __main__, slurm              the command line: a grid of cells, SLURM arrays
+    __main__, slurm, parallel    the command line: a grid of cells, SLURM arrays, cells as
+                                   concurrent processes
 """
 
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 
 Built from the records on disk only (never by rerunning a model), so any process, including one
 SLURM array task, can rebuild them:  python -m rbs_bench.report results/runs/<experiment>/<model>
+(or every experiment under a results dir: python -m rbs_bench.report --results DIR).
 """
 
 from __future__ import annotations
@@ -228,12 +229,16 @@ def main(argv: list[str] | None = None) -> int:
         "exp_dirs",
         nargs="*",
         type=Path,
-        help="results/runs/<experiment>/<model> (default: every one under results/)",
+        help="<results>/runs/<experiment>/<model> (default: every one under --results)",
+    )
+    ap.add_argument(
+        "--results", type=Path, default=Path("results"), help="results dir (default: results)"
     )
     args = ap.parse_args(argv)
-    dirs = args.exp_dirs or sorted(p for p in Path("results/runs").glob("*/*") if p.is_dir())
+    runs = args.results / "runs"
+    dirs = args.exp_dirs or sorted(p for p in runs.glob("*/*") if p.is_dir())
     if not dirs:
-        print("no run records under results/runs", file=sys.stderr)
+        print(f"no run records under {runs}", file=sys.stderr)
     for d in dirs:
         overall = write_summary(d)
         if overall is None:
