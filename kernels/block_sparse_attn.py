@@ -192,16 +192,17 @@ def block_sparse_attention_ref(
     return_lse: bool = False,
     chunk_elements: int = 1 << 19,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Block-sparse causal prefill attention in PyTorch, several query blocks at a time.
+    """Block-sparse causal prefill attention in PyTorch, many query blocks per batched product.
 
     q [B, Hq, N, D], k/v [B, Hkv, N, D] (query head h reads kv head h // (Hq // Hkv)),
     kv_count int32 [B, Hq, Mq], kv_indices int32 [B, Hq, Mq, Mk]. Only the kept key blocks are
-    gathered, so the cost scales with density: a run of consecutive query blocks gathers its kept
-    key blocks, padded to the run's largest count C, as [B, Hq, blocks, C * block_k, D], and scores
-    them as one batched product. A run holds as many query blocks as keep its fp32 scores within
-    `chunk_elements` (at least one block; 2^19, 2 MiB, by default: a CPU core's cache). Kept ids
-    past the last key block are ignored. The softmax runs in fp32; a query row that sees no key
-    gets output 0 and lse -inf.
+    gathered, so the cost scales with density. The (batch, head, query block) rows are ordered
+    by their kept count and taken in runs: a run gathers each row's kept key blocks, padded to the
+    run's largest count C, as [rows, C * block_k, D] and scores them as one batched product, so
+    rows of similar counts share a run and little is padded. A run holds as many rows as keep its
+    fp32 scores within `chunk_elements` (at least one row; 2^19, 2 MiB, by default: a CPU core's
+    cache). Kept ids past the last key block are ignored. The softmax runs in fp32; a query row
+    that sees no key gets output 0 and lse -inf.
 
     Returns out [B, Hq, N, D] in q's dtype, and with `return_lse` also the natural-log
     logsumexp of the scaled scores, fp32 [B, Hq, N].
@@ -212,55 +213,54 @@ def block_sparse_attention_ref(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dev = q.device
     mq, mk = math.ceil(n / block_q), math.ceil(n / block_k)
-    # whole blocks of fp32 rows: [B, Hq, Mq, Bq, D] and [B, Hkv, Mk, Bk, D] (zero-padded tails)
-    qb = F.pad(q.float(), (0, 0, 0, mq * block_q - n)).view(b, hq, mq, block_q, d)
+    # whole blocks of fp32 rows, zero-padded: queries [B * Hq * Mq, Bq, D], keys [B, Hkv, Mk, Bk, D]
+    qb = F.pad(q.float(), (0, 0, 0, mq * block_q - n)).view(b * hq * mq, block_q, d)
     kb = F.pad(k.float(), (0, 0, 0, mk * block_k - n)).view(b, -1, mk, block_k, d)
     vb = F.pad(v.float(), (0, 0, 0, mk * block_k - n)).view(b, -1, mk, block_k, d)
-    out = torch.zeros(b, hq, mq, block_q, d, dtype=q.dtype, device=dev)
-    lse = torch.full((b, hq, mq, block_q), -math.inf, device=dev) if return_lse else None
+    out = torch.zeros(b * hq * mq, block_q, d, dtype=q.dtype, device=dev)
+    lse = torch.full((b * hq * mq, block_q), -math.inf, device=dev) if return_lse else None
 
-    batch_idx = torch.arange(b, device=dev)[:, None, None, None]  # [B, 1, 1, 1]
-    head_idx = (torch.arange(hq, device=dev) // group)[None, :, None, None]  # kv head
+    counts = kv_count.reshape(-1)  # per row (b, h, i), flat
+    order = torch.argsort(counts, stable=True)
+    widths = counts[order].tolist()  # one host sync for all rows
+    lists = kv_indices.reshape(-1, mk)
     key_offsets = torch.arange(block_k, device=dev)
     q_offsets = torch.arange(block_q, device=dev)
     no_key = torch.iinfo(torch.int64).max  # the position of a padded slot: after every query
-    counts = kv_count.amax(dim=(0, 1)).tolist()  # one host sync for all query blocks
-    per_row = b * hq * block_q * block_k  # score elements per query block and kept slot
+    per_slot = block_q * block_k  # score elements per row and kept slot
 
-    i0 = 0
-    while i0 < mq:
-        i1, width = i0 + 1, counts[i0]  # the run [i0, i1) and its largest count
-        while i1 < mq and per_row * (i1 + 1 - i0) * max(width, counts[i1]) <= chunk_elements:
-            width = max(width, counts[i1])
-            i1 += 1
-        if width == 0:  # no head keeps a key block: the rows stay 0 / -inf
-            i0 = i1
-            continue
-        count = kv_count[:, :, i0:i1, None]  # [B, Hq, R, 1]
-        slot_ok = torch.arange(width, device=dev) < count  # [B, Hq, R, C]
-        ids = kv_indices[:, :, i0:i1, :width].long()
-        slot_ok &= (ids >= 0) & (ids < mk)
+    # rows that keep nothing come first and stay 0 / -inf
+    r0 = next((r for r, w in enumerate(widths) if w > 0), len(widths))
+    while r0 < len(widths):
+        r1 = r0 + 1
+        while r1 < len(widths) and (r1 + 1 - r0) * per_slot * widths[r1] <= chunk_elements:
+            r1 += 1
+        width = widths[r1 - 1]  # the run's largest count (rows are sorted by count)
+        rows = order[r0:r1]
+        bi, hi, qi = rows // (hq * mq), rows // mq % hq, rows % mq
+        ids = lists[rows, :width].long()  # [R, C]
+        slot_ok = (torch.arange(width, device=dev) < counts[rows, None]) & (ids >= 0) & (ids < mk)
         ids = torch.where(slot_ok, ids, 0)
-        key_pos = ids[..., None] * block_k + key_offsets  # [B, Hq, R, C, Bk]
-        key_pos = torch.where(slot_ok[..., None] & (key_pos < n), key_pos, no_key).flatten(3)
-        ks = kb[batch_idx, head_idx, ids].flatten(3, 4)  # [B, Hq, R, L, D], L = C * Bk
-        vs = vb[batch_idx, head_idx, ids].flatten(3, 4)
-        s = torch.matmul(qb[:, :, i0:i1], ks.transpose(-1, -2)).mul_(scale)  # [B, Hq, R, Bq, L]
-        q_pos = torch.arange(i0, i1, device=dev)[:, None] * block_q + q_offsets  # [R, Bq]
-        s.masked_fill_(key_pos[:, :, :, None, :] > q_pos[:, :, None], -math.inf)
-        seen = key_pos.amin(-1)[..., None] <= q_pos  # [B, Hq, R, Bq]: the row sees a key
+        key_pos = ids[..., None] * block_k + key_offsets  # [R, C, Bk]
+        key_pos = torch.where(slot_ok[..., None] & (key_pos < n), key_pos, no_key).flatten(1)
+        where = (bi[:, None], (hi // group)[:, None], ids)  # [R, C]: batch, kv head, key block
+        ks, vs = kb[where].flatten(1, 2), vb[where].flatten(1, 2)  # [R, L, D], L = C * Bk
+        s = torch.bmm(qb[rows], ks.transpose(1, 2)).mul_(scale)  # [R, Bq, L]
+        q_pos = qi[:, None] * block_q + q_offsets  # [R, Bq]
+        s.masked_fill_(key_pos[:, None, :] > q_pos[:, :, None], -math.inf)
+        seen = key_pos.amin(-1, keepdim=True) <= q_pos  # [R, Bq]: the row sees a key
         if return_lse:
             m = s.amax(-1, keepdim=True)
             m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
             p = s.sub_(m).exp_()  # exactly 0 where masked
             denom = p.sum(-1, keepdim=True)
-            acc = torch.matmul(p, vs) / denom.clamp_min(1e-30)
+            acc = torch.bmm(p, vs) / denom.clamp_min(1e-30)
             row_lse = (m + torch.log(denom.clamp_min(1e-30))).squeeze(-1)
-            lse[:, :, i0:i1] = torch.where(seen, row_lse, -math.inf)
+            lse[rows] = torch.where(seen, row_lse, -math.inf)
         else:
-            acc = torch.matmul(torch.softmax(s, -1), vs)  # NaN on rows that see no key
-        out[:, :, i0:i1] = torch.where(seen[..., None], acc, 0.0).to(q.dtype)
-        i0 = i1
+            acc = torch.bmm(torch.softmax(s, -1), vs)  # NaN on rows that see no key
+        out[rows] = torch.where(seen[..., None], acc, 0.0).to(q.dtype)
+        r0 = r1
 
     out = out.view(b, hq, mq * block_q, d)[:, :, :n].contiguous()
     if return_lse:
