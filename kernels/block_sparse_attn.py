@@ -214,9 +214,9 @@ def block_sparse_attention_ref(
     dev = q.device
     mq, mk = math.ceil(n / block_q), math.ceil(n / block_k)
     # whole blocks of fp32 rows, zero-padded: queries [B * Hq * Mq, Bq, D], keys [B, Hkv, Mk, Bk, D]
-    qb = F.pad(q.float(), (0, 0, 0, mq * block_q - n)).view(b * hq * mq, block_q, d)
-    kb = F.pad(k.float(), (0, 0, 0, mk * block_k - n)).view(b, -1, mk, block_k, d)
-    vb = F.pad(v.float(), (0, 0, 0, mk * block_k - n)).view(b, -1, mk, block_k, d)
+    qb = F.pad(q.float(), (0, 0, 0, mq * block_q - n)).reshape(b * hq * mq, block_q, d)
+    kb = F.pad(k.float(), (0, 0, 0, mk * block_k - n)).reshape(b, -1, mk, block_k, d)
+    vb = F.pad(v.float(), (0, 0, 0, mk * block_k - n)).reshape(b, -1, mk, block_k, d)
     out = torch.zeros(b * hq * mq, block_q, d, dtype=q.dtype, device=dev)
     lse = torch.full((b * hq * mq, block_q), -math.inf, device=dev) if return_lse else None
 
