@@ -243,13 +243,16 @@ def pattern_mass(
         rows = torch.arange(t0, t1, device=q.device)[:, None]
         t = t1 - t0
         col_mass[..., :t1] += p.sum(2)
-        # Diagonal sums without an index: with T zeros before each row, a view whose row stride
-        # is one longer than the padded row's shifts row r by r, so column j + 1 of the view
-        # holds p[r, t0 + r - d] at offset d = t1 - 1 - j for every row (or a padding zero).
-        skewed = F.pad(p, (t, 0))  # [B, H, T, T + t1]
-        w = t + t1
-        view = skewed.as_strided((b, h, t, t1), (h * t * w, t * w, w + 1, 1), 1)
-        diag_mass[..., :t1] += view.sum(2).flip(-1)
+        # Diagonal sums without an index. Offsets d <= t0 (every row has its key t0 + r - d):
+        # a view of p whose row stride is one longer than p's shifts row r by r, so its column
+        # j holds p[r, r + j], offset d = t0 - j.
+        view = p.as_strided((b, h, t, t0 + 1), (h * t * t1, t * t1, t1 + 1, 1), p.storage_offset())
+        diag_mass[..., : t0 + 1] += view.sum(2).flip(-1)
+        # Offsets d = t0 + e, 0 < e < T (row r's key r - e, for r >= e): the sub-diagonals of the
+        # first T keys, shifted the same way after T zeros before each row.
+        head = F.pad(p[..., :t], (t, 0))  # [B, H, T, 2T]
+        view = head.as_strided((b, h, t, t - 1), (h * t * 2 * t, 2 * t * t, 2 * t + 1, 1), 1)
+        diag_mass[..., t0 + 1 : t1] += view.sum(2).flip(-1)
         cu = ucols[:, :, None, :].expand(-1, -1, t, -1)  # [B, H, T, U]
         pu = p.gather(-1, cu.clamp_max(t1 - 1)).masked_fill_(cu >= t1, 0)  # 0 after the query
         off = (rows - cu).clamp_min(0).flatten(2)
