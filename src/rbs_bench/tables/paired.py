@@ -93,6 +93,7 @@ def note(against: str, resolved: int, total: int, n_pairs: list[int]) -> str:
         f"†: the accuracy differs from {against}'s on the same samples, resolved by an exact "
         f"two-sided sign test of the paired per-sample scores (McNemar's exact test for 0/100 "
         f"scores; {n_text} paired samples per comparison), p < {ALPHA:g} after Holm's correction "
-        f"over the table's {total} comparisons ({resolved} resolved); an unmarked cell's "
+        f"over the table's {total} comparison{'s' if total != 1 else ''} ({resolved} resolved); "
+        "an unmarked cell's "
         f"difference from {against} is not resolved at this n (rbs_bench.tables.paired)."
     )
