@@ -98,6 +98,19 @@ experiment-%: install
 	$(if $(filter $*,$(CALIBRATED)),$(PY) -m rbs_bench.calibrate +experiment=$* results_dir=$(RESULTS) $(EXP_ARGS))
 	$(if $(filter $*,calibration_cost),,$(RUN_EXP))
 
+# The embedded model's accuracy experiments at n >= 200 per reported accuracy on one GPU (JOBS cells
+# at once), resumably: each call starts no cell after TIME_BUDGET_S seconds; rerun it until it prints
+# "every cell complete", then `make tables figures`. Records made on another device are replaced.
+# LongBench-v2 and InfiniteBench run every row their fixtures hold (4, and 2 per task).
+ACCURACY_GPU ?= ruler_budget=200 strict_density=200 block_size=200 thresholds=200 \
+	ruler_main=100 selector_ablation=100 infinitebench=2 longbench_v2
+JOBS ?= 8
+TIME_BUDGET_S ?= 480
+.PHONY: accuracy-gpu
+accuracy-gpu: install
+	$(PY) -m rbs_bench.parallel $(ACCURACY_GPU) --jobs $(JOBS) --time-budget-s $(TIME_BUDGET_S) \
+		--results $(RESULTS) --replace-other-device -- device=cuda $(EXP_ARGS)
+
 # This list: every target with the first sentence of the comment block above it.
 help:
 	@awk '/^# / { c = block ? c " " substr($$0, 3) : substr($$0, 3); block = 1; next } \
@@ -129,6 +142,7 @@ gpu-check: install
 lint: install
 	$(PY) -m ruff check src kernels baselines tests
 
-# Rebuild every experiment's summary table and plot from the committed run records.
+# Rebuild every experiment's summary table and plot from the run records under $(RESULTS)/runs
+# (make report RESULTS=outputs/quickstart for the quick start's).
 report: install
-	$(PY) -m rbs_bench.report
+	$(PY) -m rbs_bench.report --results $(RESULTS)

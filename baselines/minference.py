@@ -206,9 +206,10 @@ def _check_int(name: str, value, low: int) -> None:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
 
 
-# Query rows per chunk of `pattern_mass`: at most 512, fewer where a chunk's fp32 rows [B, Hq, T, N]
-# (about five of them live at once: logits, softmax, the diagonal gather and its mask) would pass
-# this many bytes. At 128K with 32 heads a 512-row chunk held 34 GiB; 4 GiB keeps 51 rows.
+# Query rows per chunk of `pattern_mass`: at most 512 (128 on a CPU), fewer where a chunk's fp32
+# rows [B, Hq, T, N] (at most about five live at once: logits, softmax, the skewed copy for the
+# diagonal sums) would pass this many bytes. At 128K with 32 heads a 512-row chunk held 34 GiB;
+# 4 GiB keeps 51 rows.
 PATTERN_MASS_WORKSPACE = 4 * 2**30
 
 
@@ -217,15 +218,17 @@ def pattern_mass(
 ) -> list[Tensor]:
     """fp32 [B, Hq] per token pattern (MInference): the dense softmax mass, summed over the query
     rows, on the pattern's (query, key) pairs. One chunked dense pass serves every pattern
-    (`chunk` query rows at a time; by default as many as PATTERN_MASS_WORKSPACE allows, <= 512).
+    (`chunk` query rows at a time; by default as many as PATTERN_MASS_WORKSPACE allows, at most
+    512 on CUDA and 128 on a CPU).
 
     kept = column mass of its columns + diagonal mass of its offsets - the pairs on both; only the
     overlap term reads single entries, at the union of the patterns' columns (O(N x columns)).
     """
     b, h, n, _ = q.shape
     if chunk is None:
-        chunk = max(1, min(512, PATTERN_MASS_WORKSPACE // (5 * 4 * b * h * n)))
-    pos = torch.arange(n, device=q.device)
+        # on a CPU, 128 rows keep a chunk near the cache (half the time of 512 rows at 4K)
+        cap = 512 if q.is_cuda else 128
+        chunk = max(1, min(cap, PATTERN_MASS_WORKSPACE // (5 * 4 * b * h * n)))
     col_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over rows t of p_t(s), per key s
     diag_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over t of p_t(t - d), per offset d
     on_cols = [membership(p.columns, n) for p in patterns]  # bool [B, H, N] over keys
@@ -236,13 +239,22 @@ def pattern_mass(
     valid = union.gather(-1, ucols)  # [B, H, U]: False on padding
     in_col = [oc.gather(-1, ucols) & valid for oc in on_cols]  # [B, H, U] per pattern
     overlap = [q.new_zeros(b, h, dtype=torch.float32) for _ in patterns]
-    for t0, t1, p in causal_softmax_chunks(q, k, scale, chunk):
+    for t0, t1, p in causal_softmax_chunks(q, k, scale, chunk, trim=True):  # p [B, H, T, t1]
         rows = torch.arange(t0, t1, device=q.device)[:, None]
-        col_mass += p.sum(2)
-        skew = (rows - pos[None, :]).clamp_min(0).expand(b, h, -1, -1)  # key t - d at offset d
-        diag_mass += p.gather(-1, skew).masked_fill(pos[None, :] > rows, 0).sum(2)
-        cu = ucols[:, :, None, :].expand(-1, -1, t1 - t0, -1)  # [B, H, T, U]
-        pu = p.gather(-1, cu)  # 0 where the key is after the query
+        t = t1 - t0
+        col_mass[..., :t1] += p.sum(2)
+        # Diagonal sums without an index. Offsets d <= t0 (every row has its key t0 + r - d):
+        # a view of p whose row stride is one longer than p's shifts row r by r, so its column
+        # j holds p[r, r + j], offset d = t0 - j.
+        view = p.as_strided((b, h, t, t0 + 1), (h * t * t1, t * t1, t1 + 1, 1), p.storage_offset())
+        diag_mass[..., : t0 + 1] += view.sum(2).flip(-1)
+        # Offsets d = t0 + e, 0 < e < T (row r's key r - e, for r >= e): the sub-diagonals of the
+        # first T keys, shifted the same way after T zeros before each row.
+        head = F.pad(p[..., :t], (t, 0))  # [B, H, T, 2T]
+        view = head.as_strided((b, h, t, t - 1), (h * t * 2 * t, 2 * t * t, 2 * t + 1, 1), 1)
+        diag_mass[..., t0 + 1 : t1] += view.sum(2).flip(-1)
+        cu = ucols[:, :, None, :].expand(-1, -1, t, -1)  # [B, H, T, U]
+        pu = p.gather(-1, cu.clamp_max(t1 - 1)).masked_fill_(cu >= t1, 0)  # 0 after the query
         off = (rows - cu).clamp_min(0).flatten(2)
         for acc, od, ic in zip(overlap, on_diags, in_col):
             both = od.gather(-1, off).view_as(pu) & ic[:, :, None, :]

@@ -13,9 +13,10 @@ dense reference every block selector is judged against (rbs_bench.observations).
 query tile on chip, makes one pass over key blocks 0..i for the row max and normaliser (online
 softmax) and a second pass that reduces the normalised probabilities of each key block to one
 number. Only the diagonal block i takes the causal and padding masks: the blocks before it hold
-real keys that every query of block i sees. `block_mass_ref` is its PyTorch reference, built on
-`causal_softmax_chunks`, which yields the fp32 probabilities one chunk of query rows at a time, so
-memory stays O(chunk x N) per head.
+real keys that every query of block i sees. `block_mass_ref` is its PyTorch reference: fp32
+probabilities of a few query blocks at a time, reduced to block sums at once, so memory stays
+O(rows x N) per head. `causal_softmax_chunks` yields the fp32 probabilities themselves one chunk of
+query rows at a time (the token-level masses of rbs_bench.observations and MInference).
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ import math
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .shapes import check_qk
 from .triton_util import check_triton_launch, jit, tl, triton
 
-CHUNK = 1024  # query rows per chunk of the reference
+CHUNK = 1024  # query rows per chunk of `causal_softmax_chunks`
 
 
 def _check_qk(q: Tensor, k: Tensor, block_size: int) -> None:
@@ -39,47 +41,85 @@ def _check_qk(q: Tensor, k: Tensor, block_size: int) -> None:
 
 
 def causal_softmax_chunks(
-    q: Tensor, k: Tensor, scale: float | None = None, chunk: int = CHUNK
+    q: Tensor, k: Tensor, scale: float | None = None, chunk: int = CHUNK, trim: bool = False
 ) -> Iterator[tuple[int, int, Tensor]]:
     """Yield (t0, t1, p): fp32 causal softmax rows t0..t1-1, p [B, Hq, t1 - t0, N].
 
-    q [B, Hq, N, D], k [B, Hkv, N, D]; query head h reads KV head h // (Hq // Hkv).
+    q [B, Hq, N, D], k [B, Hkv, N, D]; query head h reads KV head h // (Hq // Hkv). With `trim`,
+    p holds only the keys 0..t1-1 ([B, Hq, t1 - t0, t1]): the later ones are masked for every row
+    of the chunk, so they are neither scored nor stored.
     """
     b, hq, n, d = q.shape
     hkv = k.shape[1]
-    group = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     kf = k.float()
-    keys = torch.arange(n, device=q.device)
+    pos = torch.arange(n, device=q.device)
     for t0 in range(0, n, chunk):
         t1 = min(n, t0 + chunk)
-        qt = q[:, :, t0:t1].float().reshape(b, hkv, group, t1 - t0, d)  # [B, Hkv, G, T, D]
-        z = torch.einsum("bkgtd,bksd->bkgts", qt, kf).mul_(scale)  # [B, Hkv, G, T, N]
-        rows = torch.arange(t0, t1, device=q.device)
-        z.masked_fill_(keys[None, :] > rows[:, None], -math.inf)
-        yield t0, t1, z.softmax(-1).reshape(b, hq, t1 - t0, n)
+        width = t1 if trim else n
+        rows = t1 - t0
+        # the query heads of one KV head as one matrix, so the KV head's keys are not repeated
+        qr = q[:, :, t0:t1].float().reshape(b, hkv, -1, d)  # [B, Hkv, G * T, D]
+        z = torch.matmul(qr, kf[:, :, :width].transpose(-1, -2)).mul_(scale)  # [B, Hkv, G*T, W]
+        z = z.view(b, hq, rows, width)
+        # keys before t0 precede every row: only the chunk's own keys and later ones are masked
+        z[..., t0:].masked_fill_(pos[t0:width] > pos[t0:t1, None], -math.inf)
+        yield t0, t1, z.softmax(-1)
 
 
 def block_mass_ref(
-    q: Tensor, k: Tensor, block_size: int, scale: float | None = None, chunk: int = CHUNK
+    q: Tensor,
+    k: Tensor,
+    block_size: int,
+    scale: float | None = None,
+    chunk: int | None = None,
+    chunk_elements: int = 1 << 19,
 ) -> Tensor:
     """fp32 [B, Hq, M, M]: the causal softmax mass of each (query block, key block) pair.
 
     q [B, Hq, N, D], k [B, Hkv, N, D]; M = ceil(N / block_size), the last block may be partial.
-    Rows are processed `chunk` at a time (rounded up to whole query blocks).
+    Runs of whole query blocks are processed at a time, each against the keys up to its last row
+    only (the later ones are masked for all its rows), and only the square of the run's own keys
+    takes the causal mask: as many blocks as keep the run's fp32 logits within `chunk_elements`
+    (2^19, 2 MiB, by default: a CPU core's cache; at least one block), or `chunk` query rows
+    rounded up to whole blocks when given.
     """
     _check_qk(q, k, block_size)
-    b, hq, n, _ = q.shape
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     m = math.ceil(n / block_size)
-    chunk = max(1, math.ceil(chunk / block_size)) * block_size  # whole query blocks per chunk
+    pad = m * block_size - n
+    qf = F.pad(q.float(), (0, 0, 0, pad))  # [B, Hq, N', D], N' = M * block_size
+    kf = F.pad(k.float(), (0, 0, 0, pad))  # [B, Hkv, N', D]
+    upper = torch.ones(0, 0, dtype=torch.bool, device=q.device)  # grown to a run's rows
     out = torch.zeros(b, hq, m, m, device=q.device)
-    for t0, t1, p in causal_softmax_chunks(q, k, scale, chunk):
-        p = torch.nn.functional.pad(p, (0, m * block_size - n))  # [B, Hq, T, M * Bk]
-        cols = p.view(b, hq, t1 - t0, m, block_size).sum(-1)  # [B, Hq, T, M]
-        rows = math.ceil((t1 - t0) / block_size)
-        cols = torch.nn.functional.pad(cols, (0, 0, 0, rows * block_size - (t1 - t0)))
-        i0 = t0 // block_size
-        out[:, :, i0 : i0 + rows] = cols.view(b, hq, rows, block_size, m).sum(3)
+    per_block = b * hq * block_size * block_size  # logits per (query block, key block)
+    i0 = 0
+    while i0 < m:
+        if chunk is not None:
+            i1 = min(m, i0 + max(1, math.ceil(chunk / block_size)))
+        else:
+            i1 = i0 + 1
+            while i1 < m and per_block * (i1 + 1 - i0) * (i1 + 1) <= chunk_elements:
+                i1 += 1
+        t0, t1 = i0 * block_size, i1 * block_size  # rows of the run; keys 0..t1-1
+        rows = t1 - t0
+        # the query heads of one KV head as one matrix, so the KV head's keys are not repeated
+        qr = qf[:, :, t0:t1].reshape(b, hkv, -1, d)  # [B, Hkv, G * T, D]
+        z = torch.matmul(qr, kf[:, :, :t1].transpose(-1, -2)).mul_(scale)  # [B, Hkv, G * T, t1]
+        z = z.view(b, hq, rows, t1)
+        if upper.shape[0] < rows:
+            upper = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu(1)
+        # keys before t0 precede every row of the run: only the square of its own keys is masked
+        z[..., t0:].masked_fill_(upper[:rows, :rows], -math.inf)
+        p = torch.softmax(z, -1)
+        if t1 > n:
+            p[:, :, n - t0 :] = 0  # padded query rows carry no mass
+        # the keys of each block first (contiguous), then the rows: 5x faster than both at once
+        per_key_block = p.view(b, hq, i1 - i0, block_size, i1, block_size).sum(5)
+        out[:, :, i0:i1, :i1] = per_key_block.sum(3)
+        i0 = i1
     return out
 
 

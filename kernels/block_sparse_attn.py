@@ -192,14 +192,19 @@ def block_sparse_attention_ref(
     block_k: int,
     scale: float | None = None,
     return_lse: bool = False,
+    chunk_elements: int = 1 << 19,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Block-sparse causal prefill attention in PyTorch, one query block at a time.
+    """Block-sparse causal prefill attention in PyTorch, many query blocks per batched product.
 
     q [B, Hq, N, D], k/v [B, Hkv, N, D] (query head h reads kv head h // (Hq // Hkv)),
     kv_count int32 [B, Hq, Mq], kv_indices int32 [B, Hq, Mq, Mk]. Only the kept key blocks are
-    gathered, so the cost scales with density; the gathered keys of one query block are
-    [B, Hq, max count, block_k, D]. The softmax runs in fp32; a query row that sees no key gets
-    output 0 and lse -inf.
+    gathered, so the cost scales with density. The (batch, head, query block) rows are ordered
+    by their kept count and taken in runs: a run gathers each row's kept key blocks, padded to the
+    run's largest count C, as [rows, C * block_k, D] and scores them as one batched product, so
+    rows of similar counts share a run and little is padded. A run holds as many rows as keep its
+    fp32 scores within `chunk_elements` (at least one row; 2^19, 2 MiB, by default: a CPU core's
+    cache). Kept ids past the last key block are ignored. The softmax runs in fp32; a query row
+    that sees no key gets output 0 and lse -inf.
 
     Returns out [B, Hq, N, D] in q's dtype, and with `return_lse` also the natural-log
     logsumexp of the scaled scores, fp32 [B, Hq, N].
@@ -209,44 +214,60 @@ def block_sparse_attention_ref(
     group = hq // k.shape[1]
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dev = q.device
+    mq, mk = math.ceil(n / block_q), math.ceil(n / block_k)
+    # whole blocks of fp32 rows, zero-padded: queries [B * Hq * Mq, Bq, D], keys [B, Hkv, Mk, Bk, D]
+    qb = F.pad(q.float(), (0, 0, 0, mq * block_q - n)).reshape(b * hq * mq, block_q, d)
+    kb = F.pad(k.float(), (0, 0, 0, mk * block_k - n)).reshape(b, -1, mk, block_k, d)
+    vb = F.pad(v.float(), (0, 0, 0, mk * block_k - n)).reshape(b, -1, mk, block_k, d)
+    out = torch.zeros(b * hq * mq, block_q, d, dtype=q.dtype, device=dev)
+    lse = torch.full((b * hq * mq, block_q), -math.inf, device=dev) if return_lse else None
 
-    out = torch.zeros_like(q)
-    lse = torch.full((b, hq, n), float("-inf"), dtype=torch.float32, device=dev)
-    batch_idx = torch.arange(b, device=dev)[:, None, None]  # [B, 1, 1]
-    head_idx = (torch.arange(hq, device=dev) // group)[None, :, None]  # [1, Hq, 1] kv head
+    counts = kv_count.reshape(-1)  # per row (b, h, i), flat
+    order = torch.argsort(counts, stable=True)
+    widths = counts[order].tolist()  # one host sync for all rows
+    lists = kv_indices.reshape(-1, mk)
     key_offsets = torch.arange(block_k, device=dev)
-    max_count = kv_count.amax(dim=(0, 1)).tolist()  # one host sync for all query blocks
+    q_offsets = torch.arange(block_q, device=dev)
+    no_key = torch.iinfo(torch.int64).max  # the position of a padded slot: after every query
+    per_slot = block_q * block_k  # score elements per row and kept slot
 
-    for i, mc in enumerate(max_count):
-        if mc == 0:
-            continue  # no head keeps a key block: the rows stay 0 / -inf
-        q0, q1 = i * block_q, min((i + 1) * block_q, n)
-        slot_valid = torch.arange(mc, device=dev) < kv_count[:, :, i, None]  # [B, Hq, mc]
-        blocks = torch.where(slot_valid, kv_indices[:, :, i, :mc].long(), 0)  # [B, Hq, mc]
-        key_pos = blocks[..., None] * block_k + key_offsets  # [B, Hq, mc, Bk]
-        key_ok = slot_valid[..., None] & (key_pos < n)
-        key_pos = key_pos.clamp_max(n - 1).flatten(2)  # [B, Hq, L], L = mc * Bk
-        key_ok = key_ok.flatten(2)
+    # rows that keep nothing come first and stay 0 / -inf
+    r0 = next((r for r, w in enumerate(widths) if w > 0), len(widths))
+    while r0 < len(widths):
+        r1 = r0 + 1
+        while r1 < len(widths) and (r1 + 1 - r0) * per_slot * widths[r1] <= chunk_elements:
+            r1 += 1
+        width = widths[r1 - 1]  # the run's largest count (rows are sorted by count)
+        rows = order[r0:r1]
+        bi, hi, qi = rows // (hq * mq), rows // mq % hq, rows % mq
+        ids = lists[rows, :width].long()  # [R, C]
+        slot_ok = (torch.arange(width, device=dev) < counts[rows, None]) & (ids >= 0) & (ids < mk)
+        ids = torch.where(slot_ok, ids, 0)
+        key_pos = ids[..., None] * block_k + key_offsets  # [R, C, Bk]
+        key_pos = torch.where(slot_ok[..., None] & (key_pos < n), key_pos, no_key).flatten(1)
+        where = (bi[:, None], (hi // group)[:, None], ids)  # [R, C]: batch, kv head, key block
+        ks, vs = kb[where].flatten(1, 2), vb[where].flatten(1, 2)  # [R, L, D], L = C * Bk
+        s = torch.bmm(qb[rows], ks.transpose(1, 2)).mul_(scale)  # [R, Bq, L]
+        q_pos = qi[:, None] * block_q + q_offsets  # [R, Bq]
+        s.masked_fill_(key_pos[:, None, :] > q_pos[:, :, None], -math.inf)
+        seen = key_pos.amin(-1, keepdim=True) <= q_pos  # [R, Bq]: the row sees a key
+        if return_lse:
+            m = s.amax(-1, keepdim=True)
+            m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+            p = s.sub_(m).exp_()  # exactly 0 where masked
+            denom = p.sum(-1, keepdim=True)
+            acc = torch.bmm(p, vs) / denom.clamp_min(1e-30)
+            row_lse = (m + torch.log(denom.clamp_min(1e-30))).squeeze(-1)
+            lse[rows] = torch.where(seen, row_lse, -math.inf)
+        else:
+            acc = torch.bmm(torch.softmax(s, -1), vs)  # NaN on rows that see no key
+        out[rows] = torch.where(seen[..., None], acc, 0.0).to(q.dtype)
+        r0 = r1
 
-        ks = k[batch_idx, head_idx, key_pos].float()  # [B, Hq, L, D]
-        vs = v[batch_idx, head_idx, key_pos].float()
-        qi = q[:, :, q0:q1].float()  # [B, Hq, Tq, D]
-        s = torch.einsum("bhtd,bhld->bhtl", qi, ks) * scale  # [B, Hq, Tq, L]
-        q_pos = torch.arange(q0, q1, device=dev)
-        visible = key_ok[:, :, None, :] & (key_pos[:, :, None, :] <= q_pos[:, None])
-        s = s.masked_fill(~visible, float("-inf"))
-
-        m = s.amax(-1, keepdim=True)  # -inf on rows that see no key
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        p = torch.exp(s - m)  # exactly 0 where masked
-        denom = p.sum(-1, keepdim=True)  # [B, Hq, Tq, 1]
-        acc = torch.einsum("bhtl,bhld->bhtd", p, vs)
-        seen = denom > 0
-        out[:, :, q0:q1] = torch.where(seen, acc / denom.clamp_min(1e-30), 0.0).to(q.dtype)
-        row_lse = torch.where(seen, m + torch.log(denom.clamp_min(1e-30)), float("-inf"))
-        lse[:, :, q0:q1] = row_lse.squeeze(-1)
-
-    return (out, lse) if return_lse else out
+    out = out.view(b, hq, mq * block_q, d)[:, :, :n].contiguous()
+    if return_lse:
+        return out, lse.view(b, hq, mq * block_q)[:, :, :n].contiguous()
+    return out
 
 
 def block_sparse_attention_varlen_ref(
@@ -280,7 +301,7 @@ def block_sparse_attention_varlen_ref(
             # Kept ids past this sequence's own last block attend to nothing: drop them.
             kept = block_mask_from_lists(kv_count[s : s + 1], kv_indices[s : s + 1])
             count, indices = block_lists_from_mask(kept[:, :, :mq, :mk])
-            o, row_lse = block_sparse_attention_ref(
+            o = block_sparse_attention_ref(
                 q[:, :, rows],
                 k[:, :, rows],
                 v[:, :, rows],
@@ -289,9 +310,11 @@ def block_sparse_attention_varlen_ref(
                 block_q,
                 block_k,
                 scale=scale,
-                return_lse=True,
+                return_lse=return_lse,
             )
-            out[:, :, rows], lse[:, :, rows] = o, row_lse
+            if return_lse:
+                o, lse[:, :, rows] = o
+            out[:, :, rows] = o
         start += n
     return (out, lse) if return_lse else out
 

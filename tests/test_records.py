@@ -61,8 +61,8 @@ def test_summary_tables_and_plot(tmp_path):
     assert overall["score"].tolist() == [100.0, 50.0]
     assert overall["density"].tolist() == [1.0, 0.25]
     md = (exp / "summary.md").read_text()
-    assert "| dense | default | 2 | 100.00 | [34.2, 100.0] | 1.0000 |" in md
-    assert "| rbs | default | 2 | 50.00 | [9.5, 90.5] | 0.2500 |" in md
+    assert "| Dense | default | 2 | 100.00 | [34.2, 100.0] | 1.0000 |" in md
+    assert "| RBS-Attention | default | 2 | 50.00 | [9.5, 90.5] | 0.2500 |" in md
     assert "Within noise: with n=2 samples per cell the 95% intervals are up to +-41" in md
     assert "rbs/default/records.jsonl" in md  # names the records it used
     assert (exp / "score_vs_density.png").stat().st_size > 1000
@@ -75,9 +75,9 @@ def test_summary_splits_by_meta_categories(tmp_path):
         store.append(_rec(i) | {"score": score, "meta": {"difficulty": diff, "domain": "qa"}})
     report.write_summary(exp)
     table = (exp / "summary_by_difficulty.csv").read_text().splitlines()
-    assert table[0] == "method,budget,difficulty,n,score,density,ci95_low,ci95_high"
-    assert table[1].startswith("rbs,default,easy,2,50.0,0.5,9.45312")
-    assert table[2].startswith("rbs,default,hard,1,0.0,0.5,0.0,79.345")
+    assert table[0] == "method,display,budget,difficulty,n,score,density,ci95_low,ci95_high"
+    assert table[1].startswith("rbs,RBS-Attention,default,easy,2,50.0,0.5,9.45312")
+    assert table[2].startswith("rbs,RBS-Attention,default,hard,1,0.0,0.5,0.0,79.345")
     assert not (exp / "summary_by_domain.csv").exists()  # one value: nothing to split
     assert "## By difficulty" in (exp / "summary.md").read_text()
 

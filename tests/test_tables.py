@@ -148,9 +148,10 @@ def test_unknown_experiment_gets_the_summary_table(results):
         "my_sweep_tiny.tex",
     ]
     rows = _md_rows(files["my_sweep_tiny.md"])
-    assert rows["rbs"] == ["d5", "4", "5.50", "80.00 [33.7, 96.9]", "0.500"]
+    assert rows["RBS-Attention"] == ["d5", "4", "5.50", "80.00 [33.7, 96.9]", "0.500"]
     assert "my_sweep/tiny/xattn/d1/records.jsonl" in files["my_sweep_tiny.md"]
-    assert "rbs & d1 & 4 & 1.10 & 30.00 [6.3, 73.3] & 0.500 \\\\" in files["my_sweep_tiny.tex"]
+    tex = files["my_sweep_tiny.tex"]
+    assert "RBS-Attention & d1 & 4 & 1.10 & 30.00 [6.3, 73.3] & 0.500 \\\\" in tex
 
 
 def test_experiments_without_cell_records_are_skipped(results, capsys):
@@ -557,3 +558,36 @@ def test_row_tables_gain_a_recall_column_and_grid_cells_a_recall_part(tmp_path):
     ib = tables["infinitebench_m.md"]
     assert "attention recall (%) after the slash" in ib
     assert _md_rows(ib)["Ret.PassKey"][:2] == ["0.000 / 100.00", "**0.000** / 80.00"]
+
+
+# --- paired comparisons ---------------------------------------------------------------------------
+
+
+def test_sign_test_is_exact():
+    from rbs_bench.tables.paired import holm, sign_test
+
+    assert sign_test(5, 0) == pytest.approx(2 / 2**5)  # 0.0625: five of five does not resolve
+    assert sign_test(0, 6) == pytest.approx(2 / 2**6)  # 0.03125: six of six does
+    assert sign_test(3, 3) == 1.0 and sign_test(0, 0) == 1.0
+    assert sign_test(8, 2) == pytest.approx(2 * (1 + 10 + 45) / 2**10)
+    assert holm([0.01, 0.04, 0.03]) == pytest.approx([0.03, 0.06, 0.06])
+
+
+def test_tables_dagger_the_differences_the_paired_test_resolves(tmp_path):
+    n = 12
+    _put(tmp_path, "tiny", "dense", "default", None, 4096, [100] * n, [1] * n)
+    _put(tmp_path, "tiny", "rbs", "d25", 0.25, 4096, [100] * n, [0.25] * n)
+    # all 0 where rbs scores 100: 24 discordant pairs, resolved
+    _put(tmp_path, "tiny", "xattn", "d25", 0.25, 4096, [0] * n, [0.25] * n)
+    # two samples differ: within noise of rbs
+    _put(tmp_path, "tiny", "flashprefill", "d25", 0.25, 4096, [0, 0] + [100] * (n - 2), [0.25] * n)
+    files = _build(tmp_path)
+    rows = _md_rows(files["ruler_budget_tiny.md"])
+    assert rows["Target"] == ["FlashPrefill", "XAttn", "RBS-Attention"]
+    flash, xattn, rbs = rows["25%"]
+    assert xattn.endswith("†") and not flash.endswith("†") and not rbs.endswith("†")
+    md = files["ruler_budget_tiny.md"]
+    assert "differs from RBS-Attention's on the same samples" in md
+    assert "Holm's correction over the table's 2 comparisons (1 resolved)" in md
+    assert "24 paired samples per comparison" in md
+    assert "$^{\\dagger}$" in files["ruler_budget_tiny.tex"]

@@ -6,6 +6,8 @@ checks both on every module, function-level imports included.
 
     errors, paths                the one error type for bad input and its one-line report; the
                                  layout of a results directory: the standard library only
+    plugins                      entry points of installed distributions: loaded, checked, a
+                                   broken one skipped with one line
     kernels                      Triton kernels and their PyTorch references: torch and Triton only
     methods, baselines           the selection API, the selectors, the registry (methods.build),
                                  which finds the baselines and entry-point plugins
@@ -22,7 +24,8 @@ checks both on every module, function-level imports included.
     runner, calibrate,           the pipelines; none imports another
       observations, bench, serving
     figures                      the paper's figures, from records (observations' panels too)
-    __main__, slurm              the command line: a grid of cells, SLURM arrays
+    __main__, slurm, parallel    the command line: a grid of cells, SLURM arrays, cells as
+                                   concurrent processes
 """
 
 __version__ = "0.1.0"

@@ -51,6 +51,13 @@ def run(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     experiment = hc.runtime.choices.get("experiment") or "adhoc"
+    if experiment == "adhoc":
+        print(
+            f"rbs-bench: no +experiment given: one cell, recorded under "
+            f"{experiment_dir(cfg, experiment)}/ (+experiment=<name> runs an experiment's grid "
+            "into runs/<name>/)",
+            flush=True,
+        )
     if hc.mode == RunMode.MULTIRUN:
         cells = [cfg]  # the launcher already expanded the grid: this job is one cell
     else:

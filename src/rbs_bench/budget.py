@@ -30,7 +30,6 @@ GRID = 12  # knob values per step for methods that select once per value
 FINE_GRID = 1025  # knob values per step of an exact (threshold) density curve
 MAX_STEPS = 16  # steps before giving up on the tolerance
 MIN_BRACKET = 1e-4  # a knob bracket this narrow (share of the range) holds a step of the density
-DEFAULT_RANGE = (1e-4, 1e3)  # knob range of methods that do not declare one (thresholds)
 
 
 class Unreachable(ValueError):
@@ -38,7 +37,9 @@ class Unreachable(ValueError):
 
 
 def knob_range(selector) -> tuple[float, float]:
-    return tuple(getattr(selector, "knob_range", DEFAULT_RANGE))
+    """Where calibration searches the knob: the selector's own `knob_range`, which every method
+    with a knob declares (the registry checks it against the knob field's check)."""
+    return tuple(selector.knob_range)
 
 
 def knob_grid(selector, lo: float, hi: float, n: int = GRID) -> list[float]:

@@ -246,10 +246,20 @@ def _generated_options(group: str) -> list[str]:
 
 
 def groups_help() -> str:
-    """`group: option, ...` for each config group with YAML files under conf/ (--help's list)."""
+    """`group: option, ...` for each config group with YAML files under conf/ (--help's list),
+    with the methods and benchmarks that installed plugins add (and any plugin skipped)."""
+    from rbs_bench import benchmarks, plugins
+
     root = resources.files(CONFIG_MODULE)
     groups = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name not in ("hydra",))
-    lines = [f"{g}: {', '.join(group_options(g))}" for g in groups if group_options(g)]
+    added = {"method": methods.plugin_names(), "benchmark": benchmarks.plugin_names()}
+    lines = []
+    for g in groups:
+        if group_options(g):
+            more = f" (plugins: {', '.join(added[g])})" if added.get(g) else ""
+            lines.append(f"{g}: {', '.join(group_options(g))}{more}")
+    for p in plugins.problems():
+        lines.append(f"(skipped {p.kind} plugin {p.name}: {p.message})")
     return "\n".join(lines)
 
 

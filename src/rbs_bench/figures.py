@@ -2,7 +2,9 @@
 
     python -m rbs_bench.figures [--results results] [--out results/figures]
 
-Writes, for every results/runs/<experiment>/<model> that has the records:
+Every method is drawn with its `MethodInfo` (display name, colour and marker; the headline method
+thicker and on top: rbs_bench.methods.line_style). Writes, for every
+results/runs/<experiment>/<model> that has the records:
   <out>/ruler_budget_<model>.png  accuracy against measured density per method, one point per
                                   target (the budget sweep of Table 2 as curves; dense dashed)
   <out>/ruler_main_<model>.png    accuracy and measured density against context length per method
@@ -20,14 +22,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from rbs_bench import paths
+from rbs_bench import methods, paths
 from rbs_bench.errors import one_line
 from rbs_bench.methods import DENSE
 from rbs_bench.report import load_records
 from rbs_bench.tables.layout import cell_means
-from rbs_bench.tables.render import context_label, display, method_order
-
-MARKERS = "osD^vPX*h"
+from rbs_bench.tables.render import context_label, method_order
 
 
 def _plt():
@@ -61,13 +61,14 @@ def budget_figure(df: pd.DataFrame, title: str, path: Path) -> Path:
     for ax, n in zip(axes, lengths):
         sub = df[df["context_length"] == n]
         means = cell_means(sub, ["method", "budget"])
-        for i, method in enumerate(sorted(means["method"].unique(), key=method_order)):
+        for method in sorted(means["method"].unique(), key=method_order):
             m = means[means["method"] == method].sort_values("density")
-            name = display(method)
+            style = methods.line_style(method)  # display name, colour, marker, emphasis
             if method == DENSE:
-                ax.axhline(m["score"].mean(), ls="--", color="0.4", lw=1, label=name)
+                score = m["score"].mean()
+                ax.axhline(score, ls="--", color=style["color"], lw=1, label=style["label"])
                 continue
-            ax.plot(100 * m["density"], m["score"], marker=MARKERS[i % len(MARKERS)], label=name)
+            ax.plot(100 * m["density"], m["score"], **style)
         ax.set_xlabel("measured density (% of causal block pairs)")
         ax.set_ylabel("accuracy (%)")
         ax.set_title(f"{title}, {context_label(n)} ({_sources_note(sub)})", fontsize=9)
@@ -82,9 +83,9 @@ def length_figure(df: pd.DataFrame, title: str, path: Path) -> Path:
     plt = _plt()
     means = cell_means(df, ["method", "context_length"])
     fig, (acc, dens) = plt.subplots(1, 2, figsize=(11, 4), dpi=120)
-    for i, method in enumerate(sorted(means["method"].unique(), key=method_order)):
+    for method in sorted(means["method"].unique(), key=method_order):
         m = means[means["method"] == method].sort_values("context_length")
-        kw = dict(marker=MARKERS[i % len(MARKERS)], label=display(method))
+        kw = methods.line_style(method)
         acc.plot(m["context_length"], m["score"], **kw)
         dens.plot(m["context_length"], 100 * m["density"], **kw)
     lengths = sorted(means["context_length"].unique())

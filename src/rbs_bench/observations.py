@@ -163,7 +163,7 @@ def knob_values(selector, points: int) -> list[float]:
     rbs_bench.methods.info.MethodInfo), else geometric over its knob_range."""
     spacing, lo, hi = methods.info(selector.name).sweep or (
         "log",
-        *getattr(selector, "knob_range", (1e-4, 1e3)),
+        *selector.knob_range,
     )
     if spacing == "lin":
         return np.linspace(lo, hi, points).tolist()
@@ -462,21 +462,8 @@ def plot(coverage: pd.DataFrame, under: pd.DataFrame, share: pd.DataFrame, path:
     ax = axes[0]
     oracle = coverage[coverage["method"] == CEILING]
     for name, grp in coverage[coverage["method"] != CEILING].groupby("method", sort=False):
-        info = methods.info(name)
-        colour, marker = info.style
         grp = grp.sort_values("density")
-        ax.plot(
-            100 * grp["density"],
-            100 * grp["coverage"],
-            ls=":" if info.overlay else "-",
-            mfc="none" if info.overlay else colour,
-            marker=marker,
-            ms=6 if info.headline else 4.5,
-            lw=2.2 if info.headline else 1.3,
-            color=colour,
-            label=name,
-            zorder=3 if info.headline else 2,
-        )
+        ax.plot(100 * grp["density"], 100 * grp["coverage"], **methods.line_style(name))
     ax.plot(
         100 * oracle["density"],
         100 * oracle["coverage"],

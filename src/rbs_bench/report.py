@@ -2,6 +2,7 @@
 
 Built from the records on disk only (never by rerunning a model), so any process, including one
 SLURM array task, can rebuild them:  python -m rbs_bench.report results/runs/<experiment>/<model>
+(or every experiment under a results dir: python -m rbs_bench.report --results DIR).
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from rbs_bench import paths
+from rbs_bench import methods, paths
 from rbs_bench.errors import one_line
-from rbs_bench.methods import DENSE
 from rbs_bench.records import read_records, write_atomic
 
 CELL = ["method", "budget"]
@@ -98,11 +98,20 @@ def summarize(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
         )
         .reset_index()
     )
-    order = {DENSE: 0}  # the reference first
-    overall = overall.sort_values(
-        by=CELL, key=lambda c: c.map(lambda v: (order.get(v, 1), v)) if c.name == "method" else c
-    )
+    by_task, overall = in_method_order(by_task), in_method_order(overall)
     return with_interval(by_task), with_interval(overall)
+
+
+def in_method_order(table: pd.DataFrame) -> pd.DataFrame:
+    """Rows sorted by each method's `MethodInfo.order` (dense first), then by the other columns'
+    first-seen order; a `display` column after `method` holds the methods' display names."""
+    rank = {m: i for i, m in enumerate(methods.in_order(table["method"].unique()))}
+    table = table.assign(_rank=table["method"].map(rank)).sort_values("_rank", kind="stable")
+    table = table.drop(columns="_rank").reset_index(drop=True)
+    if "display" not in table:
+        table.insert(list(table.columns).index("method") + 1, "display",
+                     table["method"].map(methods.display))  # fmt: skip
+    return table
 
 
 def by_category(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
@@ -119,13 +128,17 @@ def by_category(df: pd.DataFrame) -> dict[str, pd.DataFrame]:
                 sub.groupby(CELL + [key], sort=False)
                 .agg(n=("score", "size"), score=("score", "mean"), density=("density", "mean"))
                 .reset_index()
+                .pipe(in_method_order)
                 .pipe(with_interval)
             )
     return tables
 
 
 def markdown_table(df: pd.DataFrame, floats: dict[str, str]) -> str:
-    """A Markdown table; ci95_low / ci95_high, when present, read as one "95% CI" column."""
+    """A Markdown table; ci95_low / ci95_high, when present, read as one "95% CI" column, and a
+    `display` column, when present, stands in the `method` column (the display name)."""
+    if "display" in df:
+        df = df.assign(method=df["display"]).drop(columns="display")
     if "ci95_low" in df:
         ci = [
             f"[{lo:.1f}, {hi:.1f}]" if not math.isnan(lo) else "-"
@@ -149,20 +162,12 @@ def plot_score_vs_density(overall: pd.DataFrame, by_task: pd.DataFrame, path: Pa
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4), dpi=120)
-    # Distinct markers, shrinking, so methods that land on the same point stay visible.
-    markers = "osD^vPX*"
-    for n, (method, grp) in enumerate(by_task.groupby("method", sort=False)):
-        ax.scatter(100 * grp["density"], grp["score"], alpha=0.35, s=18)
+    # each method's MethodInfo: display name, colour, marker; the headline method on top
+    for method, grp in by_task.groupby("method", sort=False):
+        style = methods.line_style(method)
+        ax.scatter(100 * grp["density"], grp["score"], alpha=0.35, s=18, color=style["color"])
         ov = overall[overall["method"] == method]
-        ax.plot(
-            100 * ov["density"],
-            ov["score"],
-            marker=markers[n % len(markers)],
-            ms=max(4, 11 - 2 * n),
-            lw=1.5,
-            label=method,
-            color=ax.collections[-1].get_facecolor()[0][:3],
-        )
+        ax.plot(100 * ov["density"], ov["score"], **style)
     ax.set_xlabel("measured density (% of causal block pairs)")
     ax.set_ylabel("score")
     ax.set_title(title, fontsize=10)
@@ -225,15 +230,20 @@ def main(argv: list[str] | None = None) -> int:
         "exp_dirs",
         nargs="*",
         type=Path,
-        help="results/runs/<experiment>/<model> (default: every one under results/)",
+        help="<results>/runs/<experiment>/<model> (default: every one under --results)",
+    )
+    ap.add_argument(
+        "--results", type=Path, default=Path("results"), help="results dir (default: results)"
     )
     args = ap.parse_args(argv)
-    return one_line(lambda: _summaries(args.exp_dirs or paths.experiment_dirs("results")))
+    dirs = args.exp_dirs or paths.experiment_dirs(args.results)
+    return one_line(lambda: _summaries(dirs, args.results))
 
 
-def _summaries(dirs: list[Path]) -> int:
+def _summaries(dirs: list[Path], results: Path) -> int:
+    runs = paths.runs_dir(results)
     if not dirs:
-        print("no run records under results/runs", file=sys.stderr)
+        print(f"no run records under {runs}", file=sys.stderr)
     for d in dirs:
         overall = write_summary(d)
         if overall is None:

@@ -194,6 +194,9 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
     recorder = install(loaded.model, selector, executor, recall=bool(cfg.get("recall")))
     eos = _eos_ids(loaded.model, loaded.tokenizer)
     bar = tqdm(pending, desc=label, unit="sample", disable=not cfg.progress, dynamic_ncols=True)
+    # the bar shows the cell's running mean score: the samples recorded before, then this run's
+    done = [store.done((s.task, n, s.index)) for s, n in work]
+    scores = [rec["score"] for rec in done if rec]
     warmed = set()
     try:
         for sample, length in bar:
@@ -217,7 +220,9 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
             write_settings(store, settings)  # cell.json once a record exists, not before
             if logger is not None:
                 logger.log_sample(rec)
-            bar.set_postfix(score=f"{rec['score']:.0f}", density=f"{rec['density']:.3f}")
+            scores.append(rec["score"])
+            mean = sum(scores) / len(scores)
+            bar.set_postfix(density=f"{rec['density']:.3f}", mean_score=f"{mean:.1f}")
     finally:
         uninstall(loaded.model)
     return store.path

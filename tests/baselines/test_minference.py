@@ -220,9 +220,9 @@ def test_pattern_mass_chunks_bound_their_workspace(monkeypatch):
     chunks = []
     real = minference.causal_softmax_chunks
 
-    def spy(q, k, scale, chunk):
+    def spy(q, k, scale, chunk, **kw):
         chunks.append(chunk)
-        return real(q, k, scale, chunk)
+        return real(q, k, scale, chunk, **kw)
 
     monkeypatch.setattr(minference, "causal_softmax_chunks", spy)
     monkeypatch.setattr(minference, "PATTERN_MASS_WORKSPACE", 5 * 4 * 4 * 300 * 7)  # 7 rows

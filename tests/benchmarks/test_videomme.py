@@ -652,7 +652,7 @@ def test_cli_runs_videomme_on_tiny_vl(tmp_path, video_dir):
             cwd=tmp_path,
         )
         assert res.returncode == 0, res.stderr[-3000:]
-    assert "| dense | default |" in res.stdout and "| rbs | default |" in res.stdout
+    assert "| Dense | default |" in res.stdout and "| RBS-Attention | default |" in res.stdout
     by_duration = pd.read_csv(exp / "summary_by_duration.csv")
     assert len(by_duration) == 6 and (by_duration["n"] == 2).all()  # 2 methods x 3 durations
     res = subprocess.run(

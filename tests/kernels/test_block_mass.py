@@ -65,6 +65,10 @@ def test_reference_matches_dense_softmax(n, block, hq, hkv, chunk):
     got = block_mass_ref(q, k, block, chunk=chunk)
     want = dense_block_mass(q, k, block)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    # runs sized by the logits' budget: one query block per run, a few, all of them
+    for elements in (1, 4 * hq * block * block, 1 << 30):
+        by_budget = block_mass_ref(q, k, block, chunk_elements=elements)
+        torch.testing.assert_close(by_budget, want, atol=1e-4, rtol=1e-5)
     m = got.shape[-1]
     rows = torch.tensor([min(block, n - i * block) for i in range(m)], dtype=torch.float32)
     torch.testing.assert_close(got.sum(-1), rows.expand_as(got.sum(-1)), atol=1e-3, rtol=1e-5)

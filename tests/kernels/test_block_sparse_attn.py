@@ -113,6 +113,24 @@ def test_ref_low_precision(shape, dtype):
     assert err <= 2 * torch_err + 1e-5, f"kernel err {err:.3e} vs torch {dtype} err {torch_err:.3e}"
 
 
+@pytest.mark.parametrize("chunk_elements", [1, 64 * 64 * 8, 1 << 30])
+@pytest.mark.parametrize("shape", some_shapes(4, 5, 6))
+def test_ref_runs_of_query_blocks(shape, chunk_elements):
+    # One query block per run, runs of a few blocks with different counts, and every block in
+    # one run give the same rows; query blocks that keep nothing sit between kept ones.
+    b, hq, hkv, n, d, bq, bk = shape
+    q, k, v, mask, _, _ = make_inputs(shape, "random", seed=3)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a model's [B, N, H, D] buffer, as a view
+    mask[:, :, 1::3] = False
+    count, indices = block_lists_from_mask(mask)
+    out, lse = block_sparse_attention_ref(
+        q, k, v, count, indices, bq, bk, return_lse=True, chunk_elements=chunk_elements
+    )
+    torch.testing.assert_close(out, dense_masked(q, k, v, mask, bq, bk), atol=1e-5, rtol=1e-5)
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert torch.isneginf(lse[:, :, bq : 2 * bq]).all()
+
+
 def test_ref_empty_rows_inside_a_kept_block():
     # Query block 1 keeps only key block 1 of 2 at N=100 with blocks of 64: rows 64..99 see
     # keys 64..row. Query block 0 keeps only key block 1: every row there sees nothing.

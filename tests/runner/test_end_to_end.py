@@ -56,7 +56,7 @@ def test_grid_writes_records_and_summary(tmp_path):
     exp = tmp_path / "runs" / "ruler_budget" / "tiny"
     summary = (exp / "summary.csv").read_text().splitlines()
     names = [row.split(",")[0] for row in summary[1:]]
-    assert names == ["dense"] + sorted(m for m in methods.available() if m != "dense")
+    assert names == methods.in_order(methods.available())  # MethodInfo.order, dense first
     for method in methods.available():
         recs = _records(exp / method / "default" / "records.jsonl")
         assert [r["index"] for r in recs] == [0, 1]

@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from local_slurm import PARTITION, LocalSlurm, Unavailable, install
 
@@ -108,10 +109,9 @@ def _check_merged(results: Path) -> None:
     # each task rebuilt the summary when it finished; rebuild it once more now that all are done
     # (as `python -m rbs_bench.report` does), so the check does not depend on finishing order
     report.write_summary(results / "runs/ruler_budget/tiny")
-    summary = (results / "runs/ruler_budget/tiny/summary.csv").read_text().splitlines()
-    rows = {line.split(",")[0]: line.split(",") for line in summary[1:]}
-    assert sorted(rows) == sorted(METHODS)
-    assert all(row[2] == "2" for row in rows.values())  # n = 2 samples per cell
+    summary = pd.read_csv(results / "runs/ruler_budget/tiny/summary.csv")
+    assert sorted(summary["method"]) == sorted(METHODS)
+    assert (summary["n"] == 2).all()  # n = 2 samples per cell
 
 
 def _outputs(c: LocalSlurm, job: str) -> str:

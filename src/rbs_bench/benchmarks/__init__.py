@@ -7,8 +7,10 @@ entry-point group `rbs_bench.benchmarks`, e.g. in their pyproject.toml:
     mybench = "my_package.my_bench"
 
 so that `benchmark=mybench` runs it (with a config generated from `BenchmarkCfg` when there is no
-conf/benchmark/mybench.yaml: its first task, no context lengths set). docs/benchmarks.md describes
-the shipped ones.
+conf/benchmark/mybench.yaml: its first task, no context lengths set). A plugin that fails to import
+or lacks a member of `Benchmark` is skipped with one line on stderr (rbs_bench.plugins); every other
+benchmark keeps working. A plugin builds its samples as `Sample` (and may fit text to a length with
+`fit_middle`), both exported here. docs/benchmarks.md describes the shipped ones.
 """
 
 from __future__ import annotations
@@ -16,8 +18,24 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
+
+from rbs_bench import plugins
+from rbs_bench.benchmarks._text import Encoder, Sample, fit_middle
+from rbs_bench.plugins import PluginError
+
+__all__ = [
+    "BENCHMARKS",
+    "ENTRY_POINT_GROUP",
+    "Benchmark",
+    "Encoder",
+    "Sample",
+    "available",
+    "check_benchmark",
+    "fit_middle",
+    "get",
+    "plugin_names",
+]
 
 BENCHMARKS = {
     "ruler": "rbs_bench.benchmarks.ruler",
@@ -35,7 +53,7 @@ class Benchmark(Protocol):
     VERSION     written into every record; change it whenever prompts or scoring change
     TASKS       task name -> its spec (anything; the runner only checks names against it)
     generate    (task, context_length, num_samples, tokenizer, *, seed, wrap, max_new_tokens,
-                data) -> list of rbs_bench.benchmarks._text.Sample, each prompt fitted so that it
+                data) -> list of rbs_bench.benchmarks.Sample, each prompt fitted so that it
                 and its generation fit in context_length tokens of `tokenizer` (an encoder adding
                 no special tokens); `wrap` puts text in the model's chat format, `data` holds the
                 config's named data sources
@@ -74,21 +92,39 @@ class Benchmark(Protocol):
 # The last scan of the entry points and the sys.path it read: scanning the installed
 # distributions takes milliseconds, and tables look a benchmark up once per cell.
 _SCAN: tuple[tuple[str, ...], dict[str, Callable[[], Any]]] | None = None
+_MEMBERS = ("VERSION", "TASKS", "generate", "score_one", "check_data", "aggregate")
+_FUNCTIONS = ("generate", "score_one", "check_data", "aggregate")
+
+
+def check_benchmark(name: str, bench) -> None:
+    """Raise PluginError (one line: what to change) unless `bench` satisfies `Benchmark`."""
+    missing = [m for m in _MEMBERS if not hasattr(bench, m)]
+    if missing:
+        raise PluginError(
+            f"lacks {', '.join(missing)}; define {', '.join(missing)} as rbs_bench.benchmarks."
+            "Benchmark describes (VERSION: a string written into every record)"
+        )
+    if not isinstance(bench.VERSION, str) or not bench.VERSION:
+        raise PluginError(f"VERSION is {bench.VERSION!r}; set it to a non-empty string")
+    if not isinstance(bench.TASKS, Mapping) or not bench.TASKS:
+        raise PluginError("TASKS is empty or not a mapping; map each task name to its spec")
+    for fn in _FUNCTIONS:
+        if not callable(getattr(bench, fn)):
+            raise PluginError(f"{fn} is not callable; define {fn}() as Benchmark describes")
 
 
 def _registered() -> dict[str, Callable[[], Any]]:
-    """name -> loader of every benchmark: this package's, then the entry points' (read again
-    whenever sys.path changed since the last read, as when a distribution is put on it)."""
+    """name -> loader of every benchmark: this package's, then the entry points' that import and
+    pass `check_benchmark` (read again whenever sys.path changed since the last read, as when a
+    distribution is put on it). A broken plugin is skipped with one line on stderr."""
     global _SCAN
     key = tuple(sys.path)
     if _SCAN is None or _SCAN[0] != key:
         out: dict[str, Callable[[], Any]] = {
             name: (lambda mod=mod: importlib.import_module(mod)) for name, mod in BENCHMARKS.items()
         }
-        for ep in entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name in out:
-                raise ValueError(f"a plugin registers benchmark {ep.name!r}, which already exists")
-            out[ep.name] = ep.load
+        loaded = plugins.load(ENTRY_POINT_GROUP, "benchmark", check_benchmark, set(out))
+        out.update({name: (lambda b=b: b) for name, b in loaded.items()})
         _SCAN = (key, out)
     return dict(_SCAN[1])
 
@@ -97,16 +133,19 @@ def available() -> list[str]:
     return sorted(_registered())
 
 
+def plugin_names() -> list[str]:
+    """The registered benchmarks that come from entry points."""
+    return sorted(set(_registered()) - set(BENCHMARKS))
+
+
 def get(name: str) -> Benchmark:
     """The benchmark registered under `name` (checked against the `Benchmark` protocol)."""
     loaders = _registered()
     if name not in loaders:
         raise ValueError(f"unknown benchmark {name!r}; valid: {', '.join(sorted(loaders))}")
     bench = loaders[name]()
-    missing = [m for m in _MEMBERS if not hasattr(bench, m)]
-    if missing:
-        raise ValueError(f"benchmark {name!r} lacks {', '.join(missing)} (see Benchmark)")
+    try:
+        check_benchmark(name, bench)
+    except PluginError as e:
+        raise ValueError(f"benchmark {name!r}: {e}") from None
     return bench
-
-
-_MEMBERS = ("VERSION", "TASKS", "generate", "score_one", "check_data", "aggregate")

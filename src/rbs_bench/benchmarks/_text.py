@@ -19,6 +19,8 @@ class Encoder(Protocol):
 
 @dataclass(frozen=True)
 class Sample:
+    """One prompt of a benchmark as `generate` returns it (public: rbs_bench.benchmarks.Sample)."""
+
     task: str
     index: int  # row position in the data, file order
     prompt: str  # wrap(filled template, middle-truncated)

@@ -12,17 +12,19 @@ its pyproject.toml:
 
 The entry point names a selector class (a frozen dataclass with `name`, `knob`, `knob_direction`,
 `knob_range`, `block_size`, `is_dense`, `select`, `with_knob`, `fields` and a `MethodInfo` as
-`info`; see docs/design.md §3). Everything else the harness shows about a method is read from the
-class through `info(name)`.
+`info`; see docs/design.md §3). `conformance.check_selector` checks it when it loads (the
+attributes, the knob range against the knob's own check, one `select` on a small input); a plugin
+that fails to load or to pass is skipped with one line on stderr naming it and what to fix.
+Everything else the harness shows about a method is read from the class through `info(name)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from importlib.metadata import entry_points
 
 from rbs_bench.methods.dense import Dense
 from rbs_bench.methods.info import FastPath, MethodInfo
+from rbs_bench.methods.info import line_style as _line_style
 from rbs_bench.methods.oracle import Oracle
 from rbs_bench.methods.rbs import RBS, Centroid, FullL2
 from rbs_bench.methods.selection import BlockSelection, Selector
@@ -42,7 +44,9 @@ __all__ = [
     "build",
     "display",
     "info",
+    "line_style",
     "order_key",
+    "plugin_names",
     "refresh",
     "registry",
 ]
@@ -54,24 +58,20 @@ class UnknownMethodError(ValueError):
     pass
 
 
-def _plugins() -> list[type]:
-    """The selector classes that installed distributions register under ENTRY_POINT_GROUP."""
-    out = []
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        cls = ep.load()
-        name = getattr(cls, "name", None)
-        if name != ep.name:
-            raise ValueError(
-                f"entry point {ep.name!r} of group {ENTRY_POINT_GROUP!r} ({ep.value}) loads a "
-                f"class whose name is {name!r}; the two must agree"
-            )
-        out.append(cls)
-    return out
+def _plugins(taken: set[str]) -> list[type]:
+    """The selector classes that installed distributions register under ENTRY_POINT_GROUP and
+    that pass `conformance.check_selector`; a broken one is reported in one line and skipped."""
+    from rbs_bench import plugins
+    from rbs_bench.methods.conformance import check_selector
+
+    return list(plugins.load(ENTRY_POINT_GROUP, "method", check_selector, taken).values())
 
 
 def registry() -> dict[str, type]:
     """Every registered selector class by name: this package's, rbs_bench.baselines' and the
-    entry points'. A plugin may not take a name that is already registered.
+    entry points'. A plugin that fails to import or to pass the checks of
+    `rbs_bench.methods.conformance` (one that takes a registered name included) is skipped with
+    one line on stderr (rbs_bench.plugins), and every other method works as before.
 
     Built on first use: baselines import this package's submodules, so whichever side is imported
     first, the registry is complete by the time anything asks. `refresh()` rebuilds it (after a
@@ -82,12 +82,18 @@ def registry() -> dict[str, type]:
         from rbs_bench.baselines import SELECTORS
 
         reg = {cls.name: cls for cls in (*_CORE, *SELECTORS)}
-        for cls in _plugins():
-            if cls.name in reg and reg[cls.name] is not cls:
-                raise ValueError(f"a plugin registers method {cls.name!r}, which already exists")
+        for cls in _plugins(set(reg)):
             reg[cls.name] = cls
         _REGISTRY = reg
     return dict(_REGISTRY)
+
+
+def plugin_names() -> list[str]:
+    """The registered methods that come from entry points (in table order)."""
+    from rbs_bench.baselines import SELECTORS
+
+    shipped = {cls.name for cls in (*_CORE, *SELECTORS)}
+    return in_order(n for n in registry() if n not in shipped)
 
 
 def refresh() -> None:
@@ -119,6 +125,12 @@ def info(name: str) -> MethodInfo:
 
 def display(name: str) -> str:
     return info(name).display
+
+
+def line_style(name: str) -> dict:
+    """matplotlib keyword arguments of method `name`'s line in every figure: label (display name),
+    colour (declared, else stable per name), marker, and the headline method emphasised."""
+    return _line_style(name, info(name))
 
 
 def order_key(name: str) -> tuple:

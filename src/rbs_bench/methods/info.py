@@ -8,6 +8,7 @@ selector class with its `info`. A class without `info` gets `MethodInfo(display=
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +48,8 @@ class MethodInfo:
     sweep        (spacing, lo, hi) of the knob values the observations trace its curve at:
                  "log" geometric, "lin" linear, "tail" 1 - geometric from 1 - lo to 1 - hi
                  (coverage fractions, dense near 1); None: geometric over the knob range
-    style        (colour, marker) in figures; colour None: the plotting library's cycle
+    style        (colour, marker) in figures; colour None: a colour of PALETTE picked by a hash
+                 of the name (`colour`), so that no method's colour depends on which others exist
     overlay      its curves coincide with another method's (the same rule at another default):
                  drawn dotted with hollow markers
     headline     the method under study: the default of method-valued tool options, drawn
@@ -85,3 +87,38 @@ class MethodInfo:
     def paper_row(self, table: str) -> str:
         """The method's row name in the paper table `table` (its display name by default)."""
         return self.paper_rows.get(table, self.display)
+
+
+# Colours of methods that declare none: matplotlib's tab20, darker shade first, less the shades the
+# shipped methods declare; picked by a hash of the name, never by position.
+PALETTE = (
+    "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7",
+    "#bcbd22", "#dbdb8d", "#17becf", "#9edae5", "#393b79", "#637939", "#8c6d31", "#843c39",
+)  # fmt: skip
+
+
+def colour(name: str, info: MethodInfo) -> str:
+    """The method's figure colour: its declared `style` colour, else a PALETTE entry chosen by a
+    hash of its name (the same in every process and whatever other methods are drawn)."""
+    declared = info.style[0]
+    if declared is not None:
+        return declared
+    digest = hashlib.sha1(name.encode()).digest()
+    return PALETTE[int.from_bytes(digest[:4], "big") % len(PALETTE)]
+
+
+def line_style(name: str, info: MethodInfo) -> dict:
+    """matplotlib keyword arguments of a method's line: its label (display name), colour and
+    marker; the headline method drawn thicker, larger and on top; an overlay dotted and hollow."""
+    col = colour(name, info)
+    head = info.headline
+    return {
+        "label": info.display,
+        "color": col,
+        "marker": info.style[1],
+        "ls": ":" if info.overlay else "-",
+        "mfc": "none" if info.overlay else col,
+        "lw": 2.6 if head else 1.4,
+        "ms": 7.5 if head else 5.0,
+        "zorder": 4 if head else 2,
+    }

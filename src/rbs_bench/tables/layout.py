@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import pandas as pd
 
 from rbs_bench import methods
-from rbs_bench.report import CELL, NOISE_HALF_WIDTH, summarize, wilson
+from rbs_bench.report import NOISE_HALF_WIDTH, summarize, wilson
+from rbs_bench.tables import paired
 from rbs_bench.tables.paper import PaperValues
 from rbs_bench.tables.render import MISSING, Cell, Table, display
 
@@ -320,8 +321,36 @@ class GridSpec:
         )
         t.lead = self._reference_lines(ref, paper, pv)
         t.notes = list(self.notes) + self._setting_notes(df, grid, paper, pv)
-        t.notes += noise_footnote(widest, ns)
+        t.notes += noise_footnote(widest, ns) + self._paired(grid, rows)
         return t
+
+    def _paired(self, grid: pd.DataFrame, rows: list[tuple]) -> list[str]:
+        """Dagger each accuracy cell whose paired difference from the headline method's cell
+        of the same row or column is resolved (tables.paired); the note that says so."""
+        if "method" not in (self.rows.field, self.cols.field):
+            return []
+        head = methods.headline()
+        by_method = self.cols.field == "method"
+        totals = (self.total_col, self.total_row)
+        pairs, n_pairs = [], []
+        for rk, col_keys, metrics, cells in rows:
+            if not any(mt.interval for mt in metrics) or rk in totals:
+                continue
+            for ck, cell in zip(col_keys, cells[1:]):
+                method = ck if by_method else rk
+                if ck in totals or method == head:
+                    continue
+                at = lambda r, c: grid[(grid[self.rows.field] == r) & (grid[self.cols.field] == c)]
+                mine, theirs = at(rk, ck), at(*((rk, head) if by_method else (head, ck)))
+                if len(mine) and len(theirs):
+                    result = paired.paired(mine, theirs)
+                    if result.n:
+                        pairs.append((cell, result))
+                        n_pairs.append(result.n)
+        if not pairs:
+            return []
+        resolved = paired.mark_resolved(pairs)
+        return [paired.note(display(head), resolved, len(pairs), n_pairs)]
 
     def _mark_best(self, rows: list[tuple]) -> None:
         """Bold the best `bold` metric per row or per column (ties: all), skipping totals."""
@@ -392,6 +421,7 @@ class Column:
     paper: tuple[str, ...] = ()  # the paper's column name of each part (none: ours only)
     template: str | None = None  # how a tuple's parts read, e.g. "[{}, {}]"
     best: bool = False  # bold the highest value among the rows that are not the reference
+    paired: bool = False  # the accuracy over all the row's samples: daggered when resolved
 
     def _format(self, x) -> str:
         if isinstance(x, str):
@@ -428,6 +458,10 @@ class RowSpec:
     notes: tuple[str, ...] = ()
     sample_note: bool = True
     recall: bool = False  # add a recall column when the records hold one
+    # the row a row's `paired` column is compared with (tables.paired); None: with keys that name
+    # a method, the headline method's row of the same other keys; and the name it reads as
+    versus: Callable[[tuple], tuple | None] | None = None
+    versus_label: str | None = None
 
     def build(self, df: pd.DataFrame, experiment: str, model: str, pv: PaperValues) -> list[Table]:
         df = self.derive(df.assign(model=df["model"] if "model" in df else model))
@@ -464,7 +498,7 @@ class RowSpec:
             rows.append((key, sub, cells))
         self._mark_best(rows)
         setting = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in where.items())
-        notes = list(self.notes)
+        notes = list(self.notes) + self._paired(rows)
         if self.sample_note and "task" in df:
             ns = [len(sub) for _, sub, _ in rows]
             n_text = f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
@@ -485,6 +519,36 @@ class RowSpec:
             sources=_sources(df),
             keys=len(self.key_titles),
         )
+
+    def _versus(self, key: tuple) -> tuple | None:
+        if self.versus is not None:
+            return self.versus(key)
+        if "method" not in self.keys:
+            return None
+        i = self.keys.index("method")
+        head = methods.headline()
+        return None if key[i] == head else key[:i] + (head,) + key[i + 1 :]
+
+    def _paired(self, rows) -> list[str]:
+        """Dagger the `paired` column of each row whose per-sample difference from its `versus`
+        row is resolved (tables.paired); the note that says so."""
+        cols = [j for j, col in enumerate(self.columns) if col.paired]
+        if not cols:
+            return []
+        subs = {key: sub for key, sub, _ in rows}
+        pairs, n_pairs = [], []
+        for key, sub, cells in rows:
+            other = self._versus(key)
+            if other is None or other not in subs or "score" not in sub:
+                continue
+            result = paired.paired(sub, subs[other])
+            if result.n:
+                pairs.append((cells[len(self.key_titles) + cols[0]], result))
+                n_pairs.append(result.n)
+        if not pairs:
+            return []
+        against = self.versus_label or display(methods.headline())
+        return [paired.note(against, paired.mark_resolved(pairs), len(pairs), n_pairs)]
 
     def _mark_best(self, rows) -> None:
         nkeys = len(self.key_titles)
@@ -523,7 +587,8 @@ class SummarySpec:
             cells["score"].interval, half = interval_text(r["score"], r["n"])
             if half > NOISE_HALF_WIDTH:
                 widest, ns = max(widest, half), ns + [int(r["n"])]
-            rows.append([Cell((str(r[c]),)) for c in CELL] + list(cells.values()))
+            rows.append([Cell((display(r["method"]),)), Cell((str(r["budget"]),))])
+            rows[-1] += list(cells.values())
         return [
             Table(
                 title=f"{experiment}: {model}",

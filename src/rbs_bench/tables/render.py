@@ -28,6 +28,7 @@ class Cell:
     template: str | None = None  # how the parts read, e.g. "[{}, {}]"; default "a / b"
     interval: str | None = None  # the accuracy's 95% interval, e.g. "[30.0, 90.3]"
     interval_at: int = -1  # the part it follows (-1: the last)
+    resolved: bool = False  # its accuracy differs from the headline method's (tables.paired)
 
     def _join(self, parts: Iterable[str]) -> str:
         parts = list(parts)
@@ -35,12 +36,16 @@ class Cell:
             return self.template.format(*parts)
         return " / ".join(parts)
 
-    def render(self, bold: Callable[[str], str], esc: Callable[[str], str]) -> str:
+    def render(
+        self, bold: Callable[[str], str], esc: Callable[[str], str], dagger: str = "†"
+    ) -> str:
         b = self.bold or (False,) * len(self.ours)
         parts = [bold(esc(v)) if f else esc(v) for v, f in zip(self.ours, b)]
+        at = self.interval_at if 0 <= self.interval_at < len(parts) else len(parts) - 1
         if self.interval and parts:
-            at = self.interval_at if 0 <= self.interval_at < len(parts) else len(parts) - 1
             parts[at] += f" {esc(self.interval)}"
+        if self.resolved and parts:
+            parts[at] += dagger
         text = self._join(parts)
         return text + (f" ({self._join(esc(p) for p in self.paper)})" if self.paper else "")
 
@@ -87,13 +92,14 @@ def tex_escape(s: str) -> str:
 
 def to_latex(t: Table) -> str:
     bold = lambda s: f"\\textbf{{{s}}}"
+    dagger = "$^{\\dagger}$"
     caption = " ".join([t.title + "."] + t.lead + t.notes)
     sources = "; ".join(f"\\texttt{{{tex_escape(s)}}} ({n})" for s, n in t.sources)
     keys = max(1, getattr(t, "keys", 1))
     out = [
         "\\begin{table}[htbp]",
         "\\centering",
-        f"\\caption{{{tex_escape(caption)}}}",
+        f"\\caption{{{tex_escape(caption).replace('†', dagger)}}}",
         f"\\label{{{t.label}}}",
         "\\small",
         "\\setlength{\\tabcolsep}{4pt}",
@@ -102,7 +108,7 @@ def to_latex(t: Table) -> str:
         " & ".join(tex_escape(h) for h in t.header) + " \\\\",
         "\\midrule",
     ]
-    out += [" & ".join(c.render(bold, tex_escape) for c in row) + " \\\\" for row in t.rows]
+    out += [" & ".join(c.render(bold, tex_escape, dagger) for c in row) + " \\\\" for row in t.rows]
     out += ["\\bottomrule", "\\end{tabular}", "\\par\\smallskip"]
     out += [f"{{\\footnotesize Run records (records used): {sources}.\\par}}", "\\end{table}"]
     return "\n".join(out) + "\n"

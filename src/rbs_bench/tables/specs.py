@@ -280,6 +280,7 @@ LONGBENCH_V2 = RowSpec(
             ".3f",
             ("Accuracy:Total",),
             best=True,
+            paired=True,
         ),
         Column("Density mean (%)", _density("mean"), ".3f", ("Estimated density (%):Mean",)),
         Column("p50", _density("p50"), ".3f", ("Estimated density (%):p50",)),
@@ -310,7 +311,9 @@ VIDEOMME = RowSpec(
         for c in _LB_CLASSES
     )
     + (
-        Column("Total", _aggregate("videomme", "overall"), ".2f", ("Total",), best=True),
+        Column(
+            "Total", _aggregate("videomme", "overall"), ".2f", ("Total",), best=True, paired=True
+        ),
         Column("Density (%)", _density("mean"), ".3f"),
     ),
     label=_method_label(),
@@ -341,7 +344,7 @@ SELECTOR_ABLATION = RowSpec(
     key_titles=("Selector",),
     columns=(
         Column("Actual density", _density("mean"), ".3f", ("Actual density",)),
-        Column("Accuracy", ruler_score, ".2f", ("Accuracy",), best=True),
+        Column("Accuracy", ruler_score, ".2f", ("Accuracy",), best=True, paired=True),
         Column("95% CI", bootstrap_ci, ".2f", ("95% CI:low", "95% CI:high"), "[{}, {}]"),
     ),
     label=_method_label(ABLATION_TABLE),
@@ -407,7 +410,7 @@ BLOCK_SIZE = RowSpec(
     columns=(
         Column("Calibration parameter", _threshold, ".3f", ("Calibration parameter",)),
         Column("Actual density (%)", _density("mean"), ".3f", ("Actual density",)),
-        Column("Accuracy (%)", ruler_score, ".2f", ("Accuracy",)),
+        Column("Accuracy (%)", ruler_score, ".2f", ("Accuracy",), paired=True),
     ),
     label=_method_label(BLOCK_TABLE),
     order=_method_key_order,
@@ -435,9 +438,11 @@ THRESHOLDS = RowSpec(
         Column("alpha_rescue", lambda df: _one(df, "alpha_rescue"), ".2f", ("alpha_rescue",)),
         Column("Mean density (%)", _density("mean"), ".3f", ("Mean density",)),
         Column("p90 density (%)", _density("p90"), ".3f", ("p90 density",)),
-        Column("Accuracy (%)", ruler_score, ".2f", ("Accuracy",)),
+        Column("Accuracy (%)", ruler_score, ".2f", ("Accuracy",), paired=True),
     ),
     label=lambda key: (key[0].capitalize(),),
+    versus=lambda key: None if key[0] == "default" else ("default",),
+    versus_label="the default pair",
     order=lambda key: (
         THRESHOLD_ORDER.index(key[0]) if key[0] in THRESHOLD_ORDER else len(THRESHOLD_ORDER),
         key[0],

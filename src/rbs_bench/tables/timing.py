@@ -529,8 +529,6 @@ def plot_speedup(df: pd.DataFrame, standalone: pd.DataFrame | None, path: Path) 
     one = df[(df["batch"] == 1) & (df["status"] == "ok")]
     one = one.assign(reached=one["target_reached"].map(as_bool))
     standalone = standalone if standalone is not None else pd.DataFrame()
-    cmap = plt.get_cmap("tab10")
-    color = {m: cmap(i % 10) for i, m in enumerate(methods.in_order(methods.registry()))}
     fig, axes = plt.subplots(1, 3, figsize=(13.5, 4.0), dpi=120)
     panels = [
         ("(a) standalone attention", standalone, "speedup"),
@@ -543,9 +541,10 @@ def plot_speedup(df: pd.DataFrame, standalone: pd.DataFrame | None, path: Path) 
             sub = data[data["method"] == m].sort_values("n")
             if sub[col].isna().all():
                 continue
-            c = color.get(m, "black")
+            style = methods.line_style(m)  # MethodInfo: display name, colour, emphasis
+            c = style["color"]
             x = sub["n"] / 1024
-            ax.plot(x, sub[col], color=c, label=display(m), lw=1.4)
+            ax.plot(x, sub[col], color=c, label=style["label"], lw=style["lw"], ls=style["ls"])
             reached = sub["reached"] if "reached" in sub else pd.Series(True, index=sub.index)
             ax.scatter(x[reached], sub[col][reached], color=c, s=22, zorder=3)
             ax.scatter(

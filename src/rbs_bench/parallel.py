@@ -1,0 +1,239 @@
+"""Experiments' cells as concurrent processes on one machine, resumably, within a time budget.
+
+    python -m rbs_bench.parallel ruler_budget=200 ruler_main=100 [...] --jobs 8 \
+        --time-budget-s 480 [--results results] [-- overrides for every cell]
+
+Each `EXPERIMENT=N` runs every cell of the experiment's grid (its `reference` cells, e.g.
+ruler_budget's dense, and its sweep) with `benchmark.num_samples=N` (`EXPERIMENT` alone: the
+experiment's own n). Up to `--jobs` cells run at once, each as its own `python -m rbs_bench` process
+with that cell's overrides; a small model leaves a GPU mostly idle, so several processes share it.
+The cells with the most samples still to run start first. Each cell holds its own lock and skips
+the samples its records already hold (rbs_bench.runner), so a call resumes the last one, and a
+call that reaches `--time-budget-s` stops starting cells and gives the running ones the time left
+(`time_budget_s`, checked before each sample); the next call continues. Run records go to
+`<results>/runs/<experiment>/<model>/...` as for any run; each process's output goes to
+`outputs/parallel/<experiment>/<cell>.log`. Each process gets an equal share of the CPU's cores as
+its thread count (OMP_NUM_THREADS, unless set).
+
+`--replace-other-device` first removes a cell's records made on another kind of device (a cell of
+CPU records continued on a GPU would mix two code paths of the selectors and kernels); git keeps
+the removed ones. Every cell checks its settings against its records before it runs, as a single
+run does; a cell that fails is reported with the last line of its log, and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rbs_bench.config import CONFIG_MODULE, UserError, explain, reference_cells, register_schemas
+from rbs_bench.slurm import _parse, grid
+
+LOG_DIR = Path("outputs/parallel")
+MARGIN_S = 30  # a cell started with less time than this left would only load the model
+
+
+@dataclass
+class Cell:
+    experiment: str
+    overrides: list[str]  # the full `python -m rbs_bench` arguments
+    records: Path  # its records file
+    samples: int  # samples the cell has when complete
+    done: int = 0
+
+    @property
+    def name(self) -> str:
+        keep = [o for o in self.overrides if o.split("=")[0] in CELL_KEYS]
+        return "_".join(o.split("=", 1)[1] for o in keep).replace("/", "-") or "cell"
+
+
+CELL_KEYS = ("method", "budget", "budget.target", "method.block_size", "rbs_thresholds")
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_module
+
+    register_schemas()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except Exception as exc:  # a bad override is the user's input
+        raise UserError(explain(exc)) from None
+
+
+def _count(cfg) -> int:
+    """Samples a complete cell holds: tasks x lengths x num_samples (0: the data's rows)."""
+    from rbs_bench import benchmarks
+
+    n = cfg.benchmark.num_samples
+    if n <= 0:
+        return -1  # every row of the data: known once the cell has run
+    tasks = cfg.benchmark.tasks
+    if cfg.benchmark.name == "infinitebench" and not tasks:
+        tasks = list(benchmarks.get("infinitebench").TASKS)
+    return len(tasks) * len(cfg.benchmark.context_lengths) * n
+
+
+def cells(spec: str, common: list[str]) -> list[Cell]:
+    """The cells of `EXPERIMENT[=N]` with the common overrides."""
+    from rbs_bench.session import cell_dir
+
+    experiment, _, n = spec.partition("=")
+    base = [f"+experiment={experiment}", *common]
+    if n:
+        base.append(f"benchmark.num_samples={int(n)}")
+    sweep, hydra_ovs = grid(base)  # a comma-separated value in `common` is an axis of the grid
+    fixed = [o.input_line for o in _parse(base) if not o.is_sweep_override()]
+    fixed = [o for o in fixed if not o.startswith("hydra.")]
+    cfg = _compose(fixed)
+    out = []
+    for extra in reference_cells(cfg, base) + sweep:
+        ovs = fixed + [o for o in extra if o not in fixed] + hydra_ovs
+        cell_cfg = _compose([o for o in ovs if not o.startswith("hydra.")])
+        records = cell_dir(cell_cfg, experiment) / "records.jsonl"
+        out.append(Cell(experiment, ovs, records, _count(cell_cfg)))
+    return out
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a torn last line: the runner drops it too
+            pass
+    return out
+
+
+def _device_kind(name: str) -> str:
+    return "cuda" if str(name).startswith("cuda") else str(name)
+
+
+def replace_other_device(cell: Cell, device: str) -> int:
+    """Remove the cell's records (and cell.json) when any was made on another kind of device;
+    returns how many were removed."""
+    recs = _records(cell.records)
+    kind = _device_kind(device)
+    if not recs or all(_device_kind(r.get("device", "")) == kind for r in recs):
+        return 0
+    cell.records.unlink()
+    (cell.records.parent / "cell.json").unlink(missing_ok=True)
+    return len(recs)
+
+
+def _complete(cell: Cell, done: int) -> bool:
+    """All samples recorded (a cell of every data row: any record, since a run records them
+    all unless stopped; a rerun completes a stopped one)."""
+    return done >= cell.samples if cell.samples >= 0 else done > 0
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace: bool) -> int:
+    start = time.monotonic()
+    given = [o.split("=", 1)[1] for o in common if o.startswith("device=")]
+    device = _resolve_device(given[-1] if given else "auto")
+    common = [o for o in common if not o.startswith("device=")] + [f"device={device}"]
+    todo = [c for spec in specs for c in cells(spec, common)]
+    for c in todo:
+        if replace:
+            gone = replace_other_device(c, device)
+            if gone:
+                print(f"{c.records}: removed {gone} records made on another device", flush=True)
+        c.done = len(_records(c.records))
+    pending = [c for c in todo if not _complete(c, c.done)]
+    pending.sort(key=lambda c: c.done - c.samples)  # the most samples to run first
+    total = sum(max(c.samples - c.done, 0) for c in pending)
+    print(
+        f"{len(todo)} cells, {len(pending)} to run ({total} samples) with {jobs} processes on "
+        f"{device}, {budget_s:g} s",
+        flush=True,
+    )
+    # the processes share the machine's cores: each gets its share of threads (unless set)
+    threads = str(max(1, (os.cpu_count() or 1) // jobs))
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} | dict(os.environ)
+    running: list[tuple[Cell, subprocess.Popen, object]] = []
+    failed = []
+    while pending or running:
+        left = budget_s - (time.monotonic() - start)
+        while pending and len(running) < jobs and left > MARGIN_S:
+            c = pending.pop(0)
+            log_path = LOG_DIR / c.experiment / f"{c.name}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            log = open(log_path, "a")
+            args = [sys.executable, "-m", "rbs_bench", *c.overrides, "progress=false"]
+            args.append(f"time_budget_s={int(left)}")
+            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+            running.append((c, proc, log))
+            print(f"start {c.experiment}/{c.name} ({c.done}/{c.samples} done)", flush=True)
+        time.sleep(1)
+        for item in list(running):
+            c, proc, log = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            now = len(_records(c.records))
+            print(f"end   {c.experiment}/{c.name}: {now}/{c.samples} samples", flush=True)
+            if proc.returncode != 0:
+                lines = (LOG_DIR / c.experiment / f"{c.name}.log").read_text().splitlines()
+                last = lines[-1] if lines else f"exit status {proc.returncode}"
+                failed.append(f"{c.experiment}/{c.name}: {last}")
+        if not running and pending and budget_s - (time.monotonic() - start) <= MARGIN_S:
+            break
+    left_cells = [c for c in todo if not _complete(c, len(_records(c.records)))]
+    for line in failed:
+        print(f"failed: {line}", file=sys.stderr)
+    done_s = time.monotonic() - start
+    if left_cells:
+        print(f"{done_s:.0f} s: {len(left_cells)} cells unfinished; rerun the same command")
+    else:
+        print(f"{done_s:.0f} s: every cell complete")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    common = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    ap = argparse.ArgumentParser(
+        prog="python -m rbs_bench.parallel", description=__doc__.splitlines()[0]
+    )
+    ap.add_argument(
+        "experiments", nargs="+", help="EXPERIMENT or EXPERIMENT=N (samples per task and length)"
+    )
+    ap.add_argument("--jobs", type=int, default=8, help="cells at once (default 8)")
+    ap.add_argument(
+        "--time-budget-s", type=float, default=480.0, help="start no cell after this (480)"
+    )
+    ap.add_argument("--results", default="results", help="results dir (default results)")
+    ap.add_argument(
+        "--replace-other-device",
+        action="store_true",
+        help="first remove a cell's records made on another kind of device",
+    )
+    ns = ap.parse_args(argv)
+    common = [f"results_dir={ns.results}", *common]
+    try:
+        return run(ns.experiments, ns.jobs, ns.time_budget_s, common, ns.replace_other_device)
+    except UserError as e:
+        print(f"rbs-bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

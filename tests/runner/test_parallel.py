@@ -1,0 +1,51 @@
+"""`python -m rbs_bench.parallel`: an experiment's cells as concurrent processes, resumably."""
+
+import json
+import os
+import subprocess
+import sys
+
+from rbs_bench import parallel
+
+
+def test_cells_are_the_reference_and_the_sweep():
+    cells = parallel.cells("ruler_budget=3", ["results_dir=/tmp/r", "device=cpu"])
+    assert len(cells) == 1 + 6 * 4  # dense, then 6 methods x 4 targets
+    first = cells[0]
+    assert "method=dense" in first.overrides and "budget=default" in first.overrides
+    assert str(first.records).endswith("runs/ruler_budget/tiny/dense/default/records.jsonl")
+    assert all(c.samples == 3 for c in cells)  # one task at one length, 3 samples
+    block = parallel.cells("block_size=5", ["results_dir=/tmp/r"])
+    assert {c.records.parent.name for c in block} == {f"anchor0.7_B{b}" for b in (32, 64, 128)}
+    assert parallel.cells("longbench_v2", ["results_dir=/tmp/r"])[0].samples == -1  # every row
+
+
+def test_records_of_another_device_are_replaced(tmp_path):
+    (cell,) = parallel.cells("thresholds", [f"results_dir={tmp_path}"])[:1]
+    cell.records.parent.mkdir(parents=True)
+    cell.records.write_text(json.dumps({"device": "cpu", "index": 0}) + "\n")
+    (cell.records.parent / "cell.json").write_text("{}")
+    assert parallel.replace_other_device(cell, "cpu") == 0 and cell.records.exists()
+    assert parallel.replace_other_device(cell, "cuda:0") == 1
+    assert not cell.records.exists() and not (cell.records.parent / "cell.json").exists()
+
+
+def _run(tmp_path):
+    cmd = [sys.executable, "-m", "rbs_bench.parallel", "thresholds=1", "--jobs", "2"]
+    cmd += ["--results", str(tmp_path), "--", "device=cpu", "model=tiny_random"]
+    cmd += ["benchmark.context_lengths=[1024]", "benchmark.max_new_tokens=2"]
+    cmd += ["rbs_thresholds=default,aggressive"]  # replaces the experiment's axis: two cells
+    env = dict(os.environ, RBS_BENCH_CACHE=str(tmp_path / "cache"))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+
+
+def test_a_call_runs_every_cell_and_a_rerun_has_nothing_left(tmp_path):
+    res = _run(tmp_path)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "2 cells, 2 to run (2 samples) with 2 processes on cpu" in res.stdout
+    assert "every cell complete" in res.stdout
+    runs = tmp_path / "runs/thresholds/tiny_random/rbs"
+    assert sorted(p.name for p in runs.iterdir()) == ["aggressive", "default"]
+    assert (tmp_path / "outputs/parallel/thresholds/default.log").exists()
+    again = _run(tmp_path)
+    assert "2 cells, 0 to run" in again.stdout and "start" not in again.stdout
