@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from rbs_bench.models import local_digest
 from rbs_bench.records import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,7 +88,9 @@ def test_paper_models_script_runs_every_step(tmp_path):
     for model, method, budget in cells:
         (rec,) = read_records(runs / "ruler_budget" / model / method / budget / "records.jsonl")
         assert rec["context_length"] == 2048 and rec["model"] == model
-        assert rec["model_identity"]["path"] == str(tmp_path / "ckpt" / model)
+        # the checkpoint is named by its weights' digest, not by where it lies
+        assert "path" not in rec["model_identity"]
+        assert rec["model_identity"]["weights"] == local_digest(tmp_path / "ckpt" / model)
     cal = tmp_path / "results" / "calibration" / "qwen3_30b_a3b_fp8"
     assert sorted(p.stem for p in cal.glob("*.yaml")) == ["flashprefill", "rbs"]
     vl = runs / "videomme" / "qwen3_vl_30b_a3b_thinking_fp8"
