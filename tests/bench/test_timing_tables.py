@@ -170,3 +170,12 @@ def test_a_csv_with_two_settings_gets_one_set_of_tables_each(results, tmp_path):
         assert f"speed_cpu_qwen3_30b_a3b_{layers}l_bfloat16.md" in names
     eight_md = (out / "speed_cpu_qwen3_30b_a3b_8l_bfloat16.md").read_text()
     assert "8 of 48 layers" in eight_md and "4 of 48 layers" not in eight_md
+
+
+def test_a_model_over_two_gpus_is_said_to_be_so():
+    df = fake_rows(H100, ns=(131072,), batches=(1,))
+    df["model"], df["layers"], df["gpus"] = "qwen3_32b", 64, 2
+    assert timing._unlike_paper(df).endswith(f"on 2 {H100} GPUs")
+    assert timing._unlike_paper(df).startswith("qwen3_32b runs all 64 layers")
+    df["model"], df["layers"], df["gpus"] = "qwen3_30b_a3b", 48, 1
+    assert timing._unlike_paper(df).endswith(f"on one {H100}")
