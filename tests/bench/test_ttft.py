@@ -253,6 +253,30 @@ def test_run_writes_every_column_resumes_and_reuses_calibration(tmp_path, capsys
     assert len(again) == 4 and s.csv.read_text() == before
 
 
+def test_a_run_killed_after_calibrating_times_its_rows_without_calibrating_again(
+    tmp_path, monkeypatch
+):
+    s = settings(tmp_path, methods=["rbs"])
+    real = ttft.time_row
+
+    def killed(*a, **kw):
+        raise KeyboardInterrupt  # the job ends after calibration, before its row is written
+
+    monkeypatch.setattr(ttft, "time_row", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ttft.run(s)
+    assert not s.csv.exists() and s.calibrations.exists()
+    with s.calibrations.open("a") as f:
+        f.write('{"model": "tiny", "n": 10')  # a line cut by the kill is passed over
+    monkeypatch.setattr(ttft, "time_row", real)
+    monkeypatch.setattr(ttft, "dense_prefill", lambda *a: pytest.fail("calibrated again"))
+    df = ttft.run(s)
+    assert list(df["method"]) == ["rbs"] and df["block_stats_mib"].iloc[0] > 0
+    # another target is another calibration
+    other = settings(tmp_path, methods=["rbs"], target=0.5)
+    assert ttft.saved_calibrations(other, ttft.build_model(other)) == {}
+
+
 def test_time_budget_stops_before_the_next_row(tmp_path, capsys):
     s = settings(tmp_path, time_budget_s=0.0)
     df = ttft.run(s)

@@ -50,7 +50,9 @@ Columns (times in ms; CUDA events on a GPU, perf_counter on a CPU):
   attention_speedup: dense's time over the method's at the same N and batch.
 
 Outputs in --out (default results/speed): ttft_<device>.csv, one row per (model, batch, N,
-method, target), rewritten after each row; a rerun skips finished rows. speedup_<device>.png: the
+method, target), rewritten after each row; a rerun skips finished rows.
+ttft_calibrations_<device>.jsonl: each calibration as it finishes, so a rerun of a killed run
+calibrates only what it had not. speedup_<device>.png: the
 three panels (standalone attention from attention_<device>.csv, prefill attention inside the
 model, TTFT). With --time-budget-s the run starts no new row after that many seconds and says how
 to continue.
@@ -65,6 +67,7 @@ import functools
 import gc
 import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -180,6 +183,12 @@ class Settings:
     @property
     def figure(self) -> Path:
         return self.out / f"speedup_{self.tag}.png"
+
+    @property
+    def calibrations(self) -> Path:
+        """Every finished calibration, one JSON line each, so that a run killed after calibrating
+        (minutes at 128K) times its rows on rerun without calibrating again."""
+        return self.out / f"ttft_calibrations_{self.tag}.jsonl"
 
 
 def resolve(
@@ -943,6 +952,50 @@ def _known(rows: list[dict], s: Settings, lm: Loaded) -> dict[tuple[int, str], C
     return out
 
 
+def _cal_key(s: Settings, lm: Loaded, n: int, method: str) -> dict:
+    """What a saved calibration was measured on: model, weights, prompt, context and target."""
+    return {
+        "model": s.model,
+        "layers": s.layers,
+        "dtype": lm.dtype,
+        "checkpoint": str(s.checkpoint or ""),
+        "seed": s.seed,
+        "target": s.target,
+        "n": n,
+        "method": method,
+    }
+
+
+def save_calibrations(s: Settings, lm: Loaded, n: int, got: dict[str, Calibrated]) -> None:
+    """Append `got` to the run's calibration file (one flushed line each)."""
+    with open(s.calibrations, "a", encoding="utf-8") as f:
+        for m, cal in got.items():
+            f.write(json.dumps({**_cal_key(s, lm, n, m), **dataclasses.asdict(cal)}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def saved_calibrations(s: Settings, lm: Loaded) -> dict[tuple[int, str], Calibrated]:
+    """This setting's calibrations from the run's calibration file; a line cut by a kill, or of
+    another setting, is passed over."""
+    if not s.calibrations.exists():
+        return {}
+    names = {f.name for f in dataclasses.fields(Calibrated)}
+    out = {}
+    for line in s.calibrations.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            e = json.loads(line)
+            if not isinstance(e, dict):
+                continue
+            key = _cal_key(s, lm, int(e["n"]), str(e["method"]))
+            if any(e.get(k) != v for k, v in key.items()):
+                continue
+            out[(key["n"], key["method"])] = Calibrated(**{k: e[k] for k in names if k in e})
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
 def run(s: Settings) -> pd.DataFrame:
     """Every pending row of the plan; returns the whole CSV (old rows included) as a frame."""
     t_start = time.perf_counter()
@@ -974,7 +1027,7 @@ def run(s: Settings) -> pd.DataFrame:
 
     versions = _versions()
     lm = build_model(s)
-    cals = _known(rows, s, lm)
+    cals = {**saved_calibrations(s, lm), **_known(rows, s, lm)}
     tried = set(cals)  # (N, method) calibrated already, or attempted in this run
     failed, stopped = [], False
     bar = tqdm(
@@ -997,6 +1050,7 @@ def run(s: Settings) -> pd.DataFrame:
             measure = {m for bb, nn, m in pending if nn == n and bb == 1}
             bar.set_postfix_str(f"calibrating at N={n}")
             got = calibrate_methods(s, lm, prompt_cache[n][:1], names, measure)
+            save_calibrations(s, lm, n, got)
             cals.update({(n, m): c for m, c in got.items()})
             tried.update((n, m) for m in names)
         cal = cals.get((n, name))
