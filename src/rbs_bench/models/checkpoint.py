@@ -42,6 +42,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from rbs_bench.models.tiny_vl import CHATML_VL_OPEN
+
 # Bump when the writer changes what it writes: it is recorded in rbs_rehearsal.json.
 WRITER_VERSION = 1
 BLOCK = 128  # weight_block_size of the hub's FP8 checkpoints
@@ -95,18 +97,7 @@ THINK_IDS = {"<think>": 151667, "</think>": 151668}
 # assistant's opening. The one behaviour kept from the real templates: enable_thinking=false
 # writes an empty think block, as Qwen3's own template does for non-thinking answers.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for item in message['content'] %}"
-    "{% if item['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
-    "{% elif item['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% else %}{{ item['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-    "{% if enable_thinking is defined and enable_thinking is false %}"
+    CHATML_VL_OPEN + "{% if enable_thinking is defined and enable_thinking is false %}"
     "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
 )
 

@@ -85,8 +85,9 @@ VIDEO_PROCESSOR: dict = {
     "video_processor_type": "Qwen3VLVideoProcessor",
 }
 
-# ChatML with Qwen-VL content lists: a video item is written as start, one pad, end.
-CHAT_TEMPLATE = (
+# ChatML with Qwen-VL content lists: a video item is written as start, one pad, end. The part up
+# to the assistant's opening is shared with the paper models' checkpoints (models.checkpoint).
+CHATML_VL_OPEN = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{% if message['content'] is string %}{{ message['content'] }}"
@@ -97,8 +98,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
 )
+CHAT_TEMPLATE = CHATML_VL_OPEN + "{% endif %}"
 
 
 def tiny_vl_config(**overrides):
