@@ -287,7 +287,8 @@ def _unlike_paper(df: pd.DataFrame) -> str:
         return f"this is a {layers}-layer toy model"
     if layers < full:
         return f"this model runs {layers} of its {full} layers"
-    where = f"one {r['device']}" if _gpus(df) == 1 else f"{_gpus(df)} {r['device']} GPUs"
+    gpus = _gpus(df)
+    where = f"one {r['device']}" if gpus == 1 else f"{gpus} {r['device']} GPUs"
     what = "this model" if str(r["model"]).startswith("qwen3_30b_a3b") else f"{r['model']}"
     return (
         f"{what} runs all {layers} layers, but in {r['dtype']} with random weights in HF "
@@ -296,10 +297,11 @@ def _unlike_paper(df: pd.DataFrame) -> str:
 
 
 def _gpus(df: pd.DataFrame) -> int:
-    """How many GPUs held the model in the latest row (records before the column: one)."""
+    """How many GPUs held the model in the latest row (at least one; rows written before the
+    column, or on a CPU, count one)."""
     if "gpus" not in df.columns or pd.isna(df["gpus"].iloc[-1]):
         return 1
-    return int(df["gpus"].iloc[-1])
+    return max(1, int(df["gpus"].iloc[-1]))
 
 
 def _dense_line(one: pd.DataFrame, ns) -> str:
@@ -402,12 +404,12 @@ def memory_tables(df: pd.DataFrame, csv: Path, pv: PaperValues):
         lead=[f"Model weights: {weights} {unit}."],
         sources=_sources(one, csv),
     )
-    cuda = str(df["device"].iloc[-1]) != "cpu"
+    cuda, gpus = str(df["device"].iloc[-1]) != "cpu", _gpus(df)
     peak.notes = _setting(one) + [
         (
             "torch.cuda.max_memory_allocated / max_memory_reserved over each method's timed "
             "requests (prefill with the KV cache + one decode step), reset between methods"
-            + (f", on the busiest of the {_gpus(df)} GPUs." if _gpus(df) > 1 else ".")
+            + (f", on the busiest of the {gpus} GPUs." if gpus > 1 else ".")
             if cuda
             else "CPU: parameters and buffers plus the peak of one request's own allocations "
             "(torch profiler memory events); a CPU has no reserved pool (–)."
