@@ -353,19 +353,24 @@ def test_interpreter_suite():
 # ------------------------------------------------------------------------------- GPU, bf16, large
 
 
+def _gpu_qk(n: int, family: str, seed: int):
+    """bf16 q [1, 8, n, 128] and k [1, 2, n, 128] on the GPU of one synthetic input family."""
+    from rbs_bench import synthetic
+
+    data = synthetic.generate(
+        1, 8, 2, n, 128, structure=synthetic.FAMILIES[family], seed=seed, device="cuda",
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    return data.q, data.k
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
     "n, family", [(16384, "synthetic"), (65536, "synthetic"), (16384, "needles")]
 )
 def test_gpu_triton_matches_torch_bf16(n, family):
-    from rbs_bench import synthetic
-
-    data = synthetic.generate(
-        1, 8, 2, n, 128, structure=synthetic.FAMILIES[family], seed=1, device="cuda",
-        dtype=torch.bfloat16,
-    )  # fmt: skip
-    q, k = data.q, data.k
+    q, k = _gpu_qk(n, family, seed=1)
     c, r = block_stats(k, 128)
     c0, r0 = block_stats_ref(k, 128)
     torch.testing.assert_close(c, c0, atol=1e-4, rtol=1e-5)
@@ -393,13 +398,7 @@ def test_gpu_triton_matches_torch_bf16(n, family):
 def test_gpu_selector_variants_match_torch_bf16(opts, n, family):
     """The launch variants the benchmark times select what the reference selects (blocks within
     the fp16 dot's error of a threshold excepted)."""
-    from rbs_bench import synthetic
-
-    data = synthetic.generate(
-        1, 8, 2, n, 128, structure=synthetic.FAMILIES[family], seed=2, device="cuda",
-        dtype=torch.bfloat16,
-    )  # fmt: skip
-    q, k = data.q, data.k
+    q, k = _gpu_qk(n, family, seed=2)
     c, r = block_stats_ref(k, 128)
     u = r * rescue_beta_ref(r)
     args = (q, c, u, 128, 0.22, 0.18, 2, 4, 2)

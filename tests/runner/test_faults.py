@@ -175,6 +175,21 @@ def _d50_base(cfg):
     return build_selector(cfg, apply_budget=False)
 
 
+def _d50_entry(cfg, **fields) -> dict:
+    """A calibration entry of RBS at d50 for `cfg`'s setting, measured exactly unless `fields`
+    say otherwise."""
+    entry = {
+        "target": 0.5,
+        "knob": 2.0,
+        "knob_name": "alpha_scale",
+        "density_mean": 0.5,
+        "abs_error": 0.0,
+        "prompts": 1,
+        "setting": calibrations.setting(cfg, _d50_base(cfg)),
+    }
+    return entry | fields
+
+
 def _compose(results: Path, overrides: list[str]):
     from hydra import compose, initialize_config_module
 
@@ -237,17 +252,8 @@ def row_calibration_entry_of_another_model_config(tmp_path, results, recorded):
 
 def row_entry_tolerance_overrides_the_runs(tmp_path, results, recorded):
     cfg = _compose(results, RBS_D50)
-    base = _d50_base(cfg)
-    entry = {
-        "target": 0.5,
-        "knob": 2.0,
-        "knob_name": "alpha_scale",
-        "density_mean": 0.495,  # met its own tolerance, 50x the run's
-        "abs_error": 0.005,
-        "prompts": 1,
-        "tolerance": 0.01,
-        "setting": calibrations.setting(cfg, base),
-    }
+    # met its own tolerance, 50x the run's
+    entry = _d50_entry(cfg, density_mean=0.495, abs_error=0.005, tolerance=0.01)
     calibrations.store(cfg, entry)
     got = _cli("rbs_bench", [*RBS_D50, f"results_dir={results}"], run=False)
     _one_line(got, "records density 0.4950", "(tolerance 0.0001", "recalibrate it with")
@@ -420,16 +426,7 @@ def row_zero_calibration_prompts(tmp_path, results, recorded):
 
 def row_calibration_write_keeps_the_mode(tmp_path, results, recorded):
     cfg = _compose(results, RBS_D50)
-    base = _d50_base(cfg)
-    entry = {
-        "target": 0.5,
-        "knob": 2.0,
-        "knob_name": "alpha_scale",
-        "density_mean": 0.5,
-        "abs_error": 0.0,
-        "prompts": 1,
-        "setting": calibrations.setting(cfg, base),
-    }
+    entry = _d50_entry(cfg)
     old = os.umask(0o022)
     try:
         path = calibrations.store(cfg, entry)
