@@ -102,6 +102,8 @@ def cells(spec: str, common: list[str]) -> list[Cell]:
 
 
 def _records(path: Path) -> list[dict]:
+    """The cell's records, for counting progress and reading their device; leniently (any JSON
+    line counts): the cell's own run checks each record and refuses a bad one with one line."""
     if not path.exists():
         return []
     out = []
@@ -166,7 +168,7 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
     # the processes share the machine's cores: each gets its share of threads (unless set)
     threads = str(max(1, (os.cpu_count() or 1) // jobs))
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} | dict(os.environ)
-    running: list[tuple[Cell, subprocess.Popen, object]] = []
+    running: list[tuple[Cell, subprocess.Popen, object, Path]] = []
     failed = []
     while pending or running:
         left = budget_s - (time.monotonic() - start)
@@ -178,11 +180,11 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
             args = [sys.executable, "-m", "rbs_bench", *c.overrides, "progress=false"]
             args.append(f"time_budget_s={int(left)}")
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-            running.append((c, proc, log))
+            running.append((c, proc, log, log_path))
             print(f"start {c.experiment}/{c.name} ({c.done}/{c.samples} done)", flush=True)
         time.sleep(1)
         for item in list(running):
-            c, proc, log = item
+            c, proc, log, log_path = item
             if proc.poll() is None:
                 continue
             running.remove(item)
@@ -190,7 +192,7 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
             now = len(_records(c.records))
             print(f"end   {c.experiment}/{c.name}: {now}/{c.samples} samples", flush=True)
             if proc.returncode != 0:
-                lines = (LOG_DIR / c.experiment / f"{c.name}.log").read_text().splitlines()
+                lines = log_path.read_text().splitlines()
                 last = lines[-1] if lines else f"exit status {proc.returncode}"
                 failed.append(f"{c.experiment}/{c.name}: {last}")
         if not running and pending and budget_s - (time.monotonic() - start) <= MARGIN_S:
