@@ -268,10 +268,15 @@ def test_a_run_killed_after_calibrating_times_its_rows_without_calibrating_again
     assert not s.csv.exists() and s.calibrations.exists()
     with s.calibrations.open("a") as f:
         f.write('{"model": "tiny", "n": 10')  # a line cut by the kill is passed over
+    lm = ttft.build_model(s)
+    saved = {m: cal for (_, m), cal in ttft.saved_calibrations(s, lm).items()}
     monkeypatch.setattr(ttft, "time_row", real)
     monkeypatch.setattr(ttft, "dense_prefill", lambda *a: pytest.fail("calibrated again"))
     df = ttft.run(s)
     assert list(df["method"]) == ["rbs"] and df["block_stats_mib"].iloc[0] > 0
+    # a calibration saved after the cut line stays whole
+    ttft.save_calibrations(s, lm, N + 1, saved)
+    assert set(ttft.saved_calibrations(s, lm)) == {(N, "rbs"), (N + 1, "rbs")}
     # another target is another calibration
     other = settings(tmp_path, methods=["rbs"], target=0.5)
     assert ttft.saved_calibrations(other, ttft.build_model(other)) == {}

@@ -967,12 +967,24 @@ def _cal_key(s: Settings, lm: Loaded, n: int, method: str) -> dict:
 
 
 def save_calibrations(s: Settings, lm: Loaded, n: int, got: dict[str, Calibrated]) -> None:
-    """Append `got` to the run's calibration file (one flushed line each)."""
-    with open(s.calibrations, "a", encoding="utf-8") as f:
-        for m, cal in got.items():
-            f.write(json.dumps({**_cal_key(s, lm, n, m), **dataclasses.asdict(cal)}) + "\n")
+    """Append `got` to the run's calibration file in one flushed write, after a line break where
+    a kill cut the last line (so the new lines stay whole)."""
+    lines = "".join(
+        json.dumps({**_cal_key(s, lm, n, m), **dataclasses.asdict(cal)}) + "\n"
+        for m, cal in got.items()
+    )
+    with open(s.calibrations, "ab") as f:
+        if f.tell() and not _ends_with_newline(s.calibrations):
+            lines = "\n" + lines
+        f.write(lines.encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def saved_calibrations(s: Settings, lm: Loaded) -> dict[tuple[int, str], Calibrated]:
