@@ -53,3 +53,12 @@ def one_line(fn: Callable[[], int | None]) -> int:
             raise
         print(f"{PREFIX}{line}", file=sys.stderr)
     return STATUS
+
+
+def first_line(e: BaseException, typed: bool = False) -> str:
+    """An exception's first line for a one-line message (its type's name when it has no text;
+    `typed`: always led by the type's name, for errors raised inside someone else's code)."""
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    return f"{type(e).__name__}: {lines[0]}" if typed else lines[0]

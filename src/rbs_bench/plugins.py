@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
+from rbs_bench.errors import first_line
+
 
 class PluginError(ValueError):
     """What is wrong with a plugin and what to change, in one line."""
@@ -46,11 +48,6 @@ def describe(ep: EntryPoint) -> str:
     dist = getattr(ep, "dist", None)
     owner = f" of distribution {dist.name} {dist.version}" if dist is not None else ""
     return f"entry point {ep.name} = {ep.value}{owner}"
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
 
 
 def report(kind: str, ep: EntryPoint, message: str) -> None:
@@ -81,7 +78,8 @@ def load(
         try:
             obj = ep.load()
         except Exception as e:  # any import failure of someone else's code: skip, not crash
-            report(kind, ep, f"cannot import {ep.value} ({_first_line(e)}); fix or uninstall it")
+            why = first_line(e, typed=True)
+            report(kind, ep, f"cannot import {ep.value} ({why}); fix or uninstall it")
             continue
         try:
             check(ep.name, obj)

@@ -33,8 +33,10 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
-# The sample type, middle truncation and data-source parsing are shared (benchmarks._text).
 from rbs_bench.benchmarks._text import Encoder, Sample, fit_middle, is_local, source, stamped
+
+# The sample type, middle truncation and data-source parsing are shared (benchmarks._text).
+from rbs_bench.errors import first_line
 
 # Bump the suffix whenever prompts, truncation or scorers change: it goes into every result row.
 VERSION = "infinitebench-88b3daa.rbs1"
@@ -226,11 +228,6 @@ def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def _is_label(a: Any) -> bool:
     return isinstance(a, (str, int, float)) and not isinstance(a, bool)
 
@@ -275,7 +272,7 @@ def _local_rows(task: str, path: str, stamp: int) -> list[dict]:
                     rows.append(check_row(task, json.loads(line), f"line {n} of {path}"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(
-            f"benchmark.data.dataset: cannot read {path} as JSONL ({_first_line(e)})"
+            f"benchmark.data.dataset: cannot read {path} as JSONL ({first_line(e)})"
         ) from None
     return rows
 
@@ -295,7 +292,7 @@ def _hub_rows(task: str, hub_id: str, revision: str | None) -> list[dict]:
     except Exception as e:  # offline, unknown id, missing file: all the user's to fix
         raise ValueError(
             f"benchmark.data.dataset={hub_id}: cannot load {task} from the hub "
-            f"({_first_line(e)}); download the jsonl files and set "
+            f"({first_line(e)}); download the jsonl files and set "
             f"benchmark.data.dataset=/path/to/dir"
         ) from None
     return [check_row(task, dict(r), f"row {i} of {hub_id}") for i, r in enumerate(ds)]

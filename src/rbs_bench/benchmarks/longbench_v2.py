@@ -29,8 +29,10 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-# The sample type, middle truncation and data-source parsing are shared (benchmarks._text).
 from rbs_bench.benchmarks._text import Encoder, Sample, fit_middle, is_local, source, stamped
+
+# The sample type, middle truncation and data-source parsing are shared (benchmarks._text).
+from rbs_bench.errors import first_line
 
 # Bump the suffix whenever prompts, truncation or row order change: it goes into every result row.
 VERSION = "longbench_v2-2e00731.rbs1"
@@ -176,7 +178,7 @@ def _local_rows(path: str, stamp: int) -> list[dict]:
         else:
             rows = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{src}: cannot read it as JSON/JSONL ({_first_line(e)})") from None
+        raise ValueError(f"{src}: cannot read it as JSON/JSONL ({first_line(e)})") from None
     if not isinstance(rows, list):
         raise ValueError(f"{src}: expected a list of rows, got {_kind(rows)}")
     return [check_row(r, f"row {i} of {path}") for i, r in enumerate(rows)]
@@ -190,15 +192,10 @@ def _hub_rows(hub_id: str, revision: str | None) -> list[dict]:
         ds = datasets.load_dataset(hub_id, split="train", revision=revision)
     except Exception as e:  # offline, unknown id, gated: all the user's to fix
         raise ValueError(
-            f"benchmark.data.dataset={hub_id}: cannot load it from the hub ({_first_line(e)}); "
+            f"benchmark.data.dataset={hub_id}: cannot load it from the hub ({first_line(e)}); "
             f"download data.json and set benchmark.data.dataset=/path/to/data.json"
         ) from None
     return [check_row(dict(r), f"row {i} of {hub_id}") for i, r in enumerate(ds)]
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 # ---------------------------------------------------------------------------------------------

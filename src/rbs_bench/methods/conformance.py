@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from rbs_bench.errors import first_line
 from rbs_bench.methods.info import MethodInfo
 from rbs_bench.plugins import PluginError
 
@@ -63,7 +64,8 @@ def check_selector(name: str, cls) -> None:
     try:
         sel = cls()
     except Exception as e:
-        raise PluginError(f"{cls.__name__}() fails with its defaults: {_first(e)}") from None
+        why = first_line(e, typed=True)
+        raise PluginError(f"{cls.__name__}() fails with its defaults: {why}") from None
     if cls.knob is not None:
         _check_knob(cls, sel)
     _check_select(sel)
@@ -94,7 +96,8 @@ def _check_knob(cls, sel) -> None:
         except Exception as e:
             raise PluginError(
                 f"knob_range {tuple(rng)} reaches {cls.knob}={end!r}, which the field's check "
-                f"refuses ({_first(e)}); narrow knob_range to the values {cls.knob} accepts"
+                f"refuses ({first_line(e, typed=True)}); narrow knob_range to the values "
+                f"{cls.knob} accepts"
             ) from None
 
 
@@ -108,7 +111,7 @@ def _check_select(sel) -> None:
     try:
         out = sel.select(q, k)
     except Exception as e:
-        raise PluginError(f"select({shapes}) fails: {_first(e)}") from None
+        raise PluginError(f"select({shapes}) fails: {first_line(e, typed=True)}") from None
     rows = getattr(out, "kv_count", None)
     got = tuple(rows.shape) if rows is not None else None
     if rows is not None and (len(got) != 3 or got[:2] != (1, HEADS)):
@@ -131,8 +134,3 @@ def _check_select(sel) -> None:
             f"select({shapes}) returns densities {list(got)}; return one per query head, "
             f"[1, {HEADS}] (query head h reads KV head h // (Hq // Hkv))"
         )
-
-
-def _first(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
