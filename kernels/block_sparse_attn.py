@@ -446,6 +446,7 @@ if HAS_TRITON:
         num_heads,
         num_k_blocks,
         qk_scale,
+        len_bucket,  # only the autotuner's key (`_len_bucket`)
         GROUP: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_Q: tl.constexpr,
@@ -663,10 +664,17 @@ if HAS_TRITON:
     def _tuned_kernel(block_q: int, block_k: int, space: tuple):
         bm_max = min(block_q, 128)
         capped = dict.fromkeys((min(c[0], block_k), *c[1:7], min(c[7], bm_max)) for c in space)
-        key = ["HEAD_DIM", "BLOCK_Q", "BLOCK_K", "GROUP", "VARLEN", "STORE_LSE", "seq_len"]
+        key = ["HEAD_DIM", "BLOCK_Q", "BLOCK_K", "GROUP", "VARLEN", "STORE_LSE", "len_bucket"]
         return triton.autotune(configs=[_config(*c) for c in capped], key=key)(
             _block_sparse_fwd_kernel
         )
+
+
+def _len_bucket(n: int) -> int:
+    """Sequence lengths that share one tuning result: the power of two at or above n (at least
+    1024). Keyed on the exact length, every prompt of a new length (each LongBench or Video-MME
+    sample) would re-run the tuner inside its timed prefill."""
+    return max(1024, 1 << (n - 1).bit_length())
 
 
 def _interpreted() -> bool:
@@ -804,7 +812,7 @@ def _launch(
         kv_count if cu_seqlens is None else cu_seqlens,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
         *kv_count.stride(), *kv_indices.stride(),
-        n, longest, hq, kv_indices.shape[-1], scale * 1.4426950408889634,
+        n, longest, hq, kv_indices.shape[-1], scale * 1.4426950408889634, _len_bucket(longest),
     )  # fmt: skip
     meta = dict(
         GROUP=hq // k.shape[1],

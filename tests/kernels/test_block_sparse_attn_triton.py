@@ -471,5 +471,33 @@ def test_kernel_varlen_bf16_gpu():
         start += n
 
 
+def test_prompts_of_nearby_lengths_share_one_tuning():
+    """Video-MME prompts of 12,058-12,087 tokens (one per video class), RULER's 130,877 and
+    130,883: one tuning each, not one per prompt; a power of two is its own bucket."""
+    assert {bsa._len_bucket(n) for n in (12058, 12075, 12087)} == {16384}
+    assert bsa._len_bucket(130877) == bsa._len_bucket(130883) == bsa._len_bucket(131072) == 131072
+    assert bsa._len_bucket(131073) == 262144
+    assert bsa._len_bucket(1) == bsa._len_bucket(1000) == 1024
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_new_length_in_a_tuned_bucket_does_not_tune_again():
+    hq, hkv, d, block = 4, 1, 128, 128
+    space = bsa.tuning_space(torch.device("cuda"))
+    sizes = []
+    for n in (3000, 3500, 4000):  # one bucket (4096)
+        gen = torch.Generator().manual_seed(n)
+        q, k, v = (
+            torch.randn(1, h, n, d, generator=gen).to("cuda", torch.bfloat16)
+            for h in (hq, hkv, hkv)
+        )
+        _, count, indices = random_selection(1, hq, n, block, block, 0.3, n, "cuda")
+        bsa._launch(q, k, v, count, indices, block, block, None, False, None, space=space)
+        usable = tuple(c for c in space if bsa._tma_ok(k, v) or not c[5]) or bsa.POINTER_SPACE
+        sizes.append(len(bsa._tuned_kernel(block, block, usable).cache))
+    assert sizes[1:] == sizes[:1] * 2, f"tuning results after each length: {sizes}"
+
+
 if __name__ == "__main__":  # interpreter worker: python this_file OUT_PATH CASE_ID...
     worker_main(sys.argv[1], sys.argv[2:])
