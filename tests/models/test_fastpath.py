@@ -138,11 +138,16 @@ def test_compiled_bf16_layers_are_as_close_to_fp32_as_eager_bf16():
     """Qwen3-30B-A3B's real layer widths, 2 layers, 4K tokens: the compiled bf16 model may be at
     most 1.5x as far from the fp32 model as the eager bf16 model is."""
     torch._dynamo.reset()
+    hf_attention.register()  # the sparse attention's name, as models.load registers it
     config = rehearsal.architecture_config("qwen3_30b_a3b", num_hidden_layers=2)
     ref = rehearsal.build(config, "cuda", torch.float32, 0, hf_attention.ATTN_IMPL)
-    model = AutoModelForCausalLM.from_config(
-        config, dtype=torch.bfloat16, attn_implementation=hf_attention.ATTN_IMPL
-    ).cuda().eval()
+    model = (
+        AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation=hf_attention.ATTN_IMPL
+        )
+        .cuda()
+        .eval()
+    )
     model.load_state_dict(ref.state_dict())
     ids = torch.randint(0, config.vocab_size, (1, 4096), device="cuda")
     exact = logits(ref, ids)[0, -64:]
