@@ -381,6 +381,32 @@ def test_seed_changes_the_weights(tmp_path):
     assert a[name].float().std().item() == pytest.approx(0.02, rel=0.05)  # initializer_range
 
 
+def test_weights_digest_follows_the_content_not_the_copy(tmp_path):
+    """The same seed written twice (new files, new times) and a copy that keeps no times: one
+    digest, so a node's local copy resumes cells made elsewhere; another seed or one edited
+    tensor in the middle of a shard: another digest."""
+    a = write_tiny("qwen3_32b", tmp_path / "a")
+    again = write_tiny("qwen3_32b", tmp_path / "again")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for f in a.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())  # new modification times
+    other = write_tiny("qwen3_32b", tmp_path / "other", seed=1)
+    digest = models.local_digest(a)
+    assert models.local_digest(again) == models.local_digest(copy) == digest
+    assert models.local_digest(other) != digest
+    shard = max(copy.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    with safe_open(str(shard), "pt") as f:
+        names = sorted(f.keys())
+    meta = json.loads(shard.read_bytes()[8 : 8 + int.from_bytes(shard.read_bytes()[:8], "little")])
+    start = 8 + int.from_bytes(shard.read_bytes()[:8], "little")
+    start += meta[names[len(names) // 2]]["data_offsets"][0]
+    data = bytearray(shard.read_bytes())
+    data[start] ^= 0xFF  # one byte of one tensor, same names, shapes and size
+    shard.write_bytes(bytes(data))
+    assert models.local_digest(copy) != digest
+
+
 def test_bad_model_path_is_one_line(tmp_path, offline):
     cfg = model_cfg("qwen3_30b_a3b_fp8", tmp_path / "nope")
     with pytest.raises(

@@ -34,7 +34,7 @@ __all__ = [
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Model fields that change how a prediction is computed, not what it is: not in a fingerprint.
 # A local checkpoint's path is how, too: its weights are named by their digest (weights_digest),
-# so a checkpoint moved or copied with its modification times kept resumes its cells.
+# so the same weights moved, copied or staged to another node's disk resume their cells.
 HOW_FIELDS = ("ffn_chunk_tokens", "device_map", "compile", "path")
 RANDOM_FIELDS = ("random_init", "architecture", "seed")  # only a random-weight model's identity
 _LAZY = ("ATTN_IMPL", "PrefillRecorder", "install", "uninstall", "register")
@@ -189,7 +189,8 @@ def weights_digest(model_cfg) -> str | None:
 
     - the shipped trained model: the first 16 hex digits of the sha256 of its weights;
     - a model read from a local directory (whatever `_source` resolves to): `local_digest`, the
-      names, sizes and modification times of its weight files and their safetensors headers;
+      names and sizes of its weight files and a sample of their bytes (headers, each tensor's
+      first bytes);
     - a random-weight model: its architecture and seed (`rehearsal.weights_id`);
     - None for a hub id (its revision is in the config) or a model built from code (its builder
       version is in its cache name).
@@ -283,18 +284,49 @@ JSON_FILES = (
 
 def local_digest(directory) -> str:
     """The first 16 hex digits of the sha256 of a local model directory's weight files: each
-    one's name, size and modification time, and for safetensors the sha256 of its header (names,
-    dtypes, shapes, offsets), after `check_local_files`. Any rewrite of a weight file changes it
-    (a copy that does not keep modification times, `cp` without `-p`, counts as other weights);
-    reading it costs a few stat calls and header reads, not a pass over the weights."""
+    one's name and size, and a sample of its bytes (`_content_sample`: for safetensors the
+    header, which names every tensor's dtype, shape and offsets, and the first bytes of every
+    tensor), after `check_local_files`. It follows the content, not the copy: the same weights
+    staged to another node's disk, rewritten from the same seed or copied without keeping
+    modification times keep their digest, so results made there resume and merge; other weights
+    (any retrained or edited tensor) get another one. Reading it costs a header and one short
+    read per tensor (cached while a file's size and modification time hold), not a pass over
+    the weights."""
     directory = Path(directory)
     check_local_files(directory)
     parts = []
     for path in _weight_files(directory):
-        st = path.stat()
-        header = _safetensors_header(path) if path.suffix == ".safetensors" else b""
-        parts.append([path.name, st.st_size, st.st_mtime_ns, hashlib.sha256(header).hexdigest()])
+        parts.append([path.name, path.stat().st_size, _content_sample(str(path), *_stamp(path))])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+SAMPLE_BYTES = 64  # read from the start of each tensor (32 bf16 or 64 fp8 values)
+
+
+@functools.lru_cache(maxsize=256)
+def _content_sample(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a weight file's sampled bytes: for safetensors its header and the first
+    SAMPLE_BYTES of each tensor's data; for other formats 64 windows of 4 KiB spread evenly."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        if path.endswith(".safetensors"):
+            header = _read_safetensors_header(path, size, mtime_ns)
+            h.update(header)
+            meta = json.loads(header)
+            base = 8 + len(header)
+            starts = sorted(
+                (int(t["data_offsets"][0]), int(t["data_offsets"][1]))
+                for k, t in meta.items()
+                if k != "__metadata__"
+            )
+            for start, end in starts:
+                f.seek(base + start)
+                h.update(f.read(min(SAMPLE_BYTES, end - start)))
+        else:
+            for i in range(64):
+                f.seek(size * i // 64)
+                h.update(f.read(4096))
+    return h.hexdigest()
 
 
 def check_local_files(directory) -> None:
