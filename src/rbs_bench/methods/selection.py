@@ -75,12 +75,12 @@ def check_inputs(q: Tensor, k: Tensor) -> None:
     and values whose scores fit float32.
 
     A NaN or Inf would not fail later: it silently changes which blocks a threshold keeps, and so
-    do finite inputs whose scores overflow (q and k scaled by 1e30). Both tests read the minimum
-    and maximum of q and of k in their own dtype (one pass each, no fp32 copy of the inputs; a
-    NaN or Inf shows in them) with one host sync: every score |q_t . k_s| is at most
-    D max|q| max|k|, and every squared row norm D max|q|^2 (or max|k|^2), which must stay below
-    SCORE_LIMIT; an exact `isfinite` pass runs only when an extreme is not finite, to tell a NaN
-    or Inf from an overflow. Inside `finite_checked()` both are skipped.
+    do finite inputs whose scores overflow (q and k scaled by 1e30). Both tests read one
+    fp32-accumulated Frobenius norm of q and one of k (NaN and Inf survive it; no copy of the
+    inputs is made) with one host sync: by Cauchy-Schwarz every score |q_t . k_s| and every
+    squared row norm is at most the product of the two norms (or a norm squared), which must stay
+    below SCORE_LIMIT; an exact `isfinite` pass runs only when a norm is not finite, to tell a
+    NaN or Inf from an overflow. Inside `finite_checked()` both are skipped.
     Raises ValueError.
     """
     check_qk(q, k)
@@ -96,20 +96,20 @@ def check_inputs(q: Tensor, k: Tensor) -> None:
         )
     if _FINITE_CHECKED.get():
         return
-    ends = torch.stack([e.float().to(q.device) for t in (q, k) for e in torch.aminmax(t)])
-    q_lo, q_hi, k_lo, k_hi = ends.tolist()
-    if not all(map(math.isfinite, (q_lo, q_hi, k_lo, k_hi))):  # exact test only now
+    norms = torch.stack(
+        [torch.linalg.vector_norm(t, dtype=torch.float32).to(q.device) for t in (q, k)]
+    )
+    qn, kn = norms.tolist()
+    if not (math.isfinite(qn) and math.isfinite(kn)):  # exact test only now
         for name, t in (("q", q), ("k", k)):
             if not bool(torch.isfinite(t).all()):
                 raise ValueError(
                     f"{name} holds NaN or Inf values; the selection of non-finite scores "
                     "would be meaningless (check the model's dtype and activations)"
                 )
-    d = q.shape[-1]
-    qn, kn = d**0.5 * max(-q_lo, q_hi), d**0.5 * max(-k_lo, k_hi)  # bounds of a row's norm
     if max(qn * kn, qn * qn, kn * kn) > SCORE_LIMIT:
         size = (
-            f"row norms up to {qn:.3g} and {kn:.3g}: a score q.k may reach {qn * kn:.3g}"
+            f"norms {qn:.3g} and {kn:.3g}: a score q.k may reach {qn * kn:.3g}"
             if math.isfinite(qn * kn)
             else "their norms overflow float32"
         )
