@@ -36,6 +36,37 @@ def test_arch_tests_run_with_sm80_forced(tmp_path: Path, monkeypatch, capsys):
     assert "1 passed, 1 failed" in capsys.readouterr().out
 
 
+def test_tests_stopped_by_the_budget_are_counted_from_their_progress(tmp_path: Path):
+    """A run the time budget stops has no summary line: its progress characters still count,
+    and its log is text (an H100 run stopped after 56 tests logged b'....' and 0 passed)."""
+    probe = tmp_path / "test_slow.py"
+    probe.write_text(
+        "import time, pytest\n"
+        "@pytest.mark.gpu\n"
+        "@pytest.mark.parametrize('i', range(3))\n"
+        "def test_quick(i):\n"
+        "    pass\n"
+        "@pytest.mark.gpu\n"
+        "def test_slow():\n"
+        "    time.sleep(60)\n"
+    )
+    rows = variants.Rows(tmp_path / "arch.csv")
+    variants.arch_tests(rows, tmp_path, [str(probe)], timeout_s=8)
+    row = rows.rows[-1]
+    assert (row["rc"], row["passed"], row["failed"]) == (-1, 3, 0)
+    log = (tmp_path / "arch_tests.log").read_text()
+    assert log.startswith("...") and "timed out after 8 s" in log
+
+
+def test_counts_read_the_summary_line_first():
+    assert variants.test_counts("..F\n1 failed, 2 passed, 3 skipped in 1.0s") == {
+        "passed": 2, "failed": 1, "skipped": 3, "error": 0,
+    }  # fmt: skip
+    assert variants.test_counts(".s.F [ 40%]\n.E") == {
+        "passed": 3, "failed": 1, "skipped": 1, "error": 1,
+    }  # fmt: skip
+
+
 def test_arch_mode_needs_cuda(monkeypatch, capsys):
     monkeypatch.setattr(variants.torch.cuda, "is_available", lambda: False)
     assert variants.main(["arch", "--out", "/nonexistent"]) == 2

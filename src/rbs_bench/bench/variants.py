@@ -428,10 +428,29 @@ def cmd_profile(args) -> int:
     return 0
 
 
+PROGRESS = {".": "passed", "F": "failed", "s": "skipped", "E": "error"}
+
+
+def test_counts(log: str) -> dict:
+    """pytest -q's counts: from its summary line, or, for a run stopped before it (a timeout),
+    from its progress characters (one per test: . F s E, x X counted as skipped)."""
+    import re
+
+    summary = {k: re.search(rf"(\d+) {k}", log) for k in PROGRESS.values()}
+    if any(summary.values()):
+        return {k: int(m.group(1)) if m else 0 for k, m in summary.items()}
+    counts = dict.fromkeys(PROGRESS.values(), 0)
+    for line in log.splitlines():
+        marks = re.sub(r"\s*\[\s*\d+%\]\s*$", "", line)
+        if marks and set(marks) <= set(".FsExX"):
+            for c in marks:
+                counts[PROGRESS.get(c, "skipped")] += 1
+    return counts
+
+
 def arch_tests(rows: Rows, out: Path, tests: list[str], timeout_s: float) -> None:
     """The gpu-marked tests with RBS_KERNEL_ARCH=sm80, in a fresh Python; one row."""
     import os
-    import re
     import subprocess
 
     from rbs_bench.kernels.triton_util import ARCH_ENV
@@ -444,13 +463,11 @@ def arch_tests(rows: Rows, out: Path, tests: list[str], timeout_s: float) -> Non
             cmd, env=env, capture_output=True, text=True, timeout=max(timeout_s, 1.0)
         )
         log, rc = res.stdout + res.stderr, res.returncode
-    except subprocess.TimeoutExpired as e:
-        log, rc = f"{e.stdout or ''}\ntimed out after {timeout_s:.0f} s", -1
-    (out / "arch_tests.log").write_text(log if isinstance(log, str) else log.decode())
-    counts = {
-        k: int(m.group(1)) if (m := re.search(rf"(\d+) {k}", str(log))) else 0
-        for k in ("passed", "failed", "skipped", "error")
-    }
+    except subprocess.TimeoutExpired as e:  # its partial output comes as bytes
+        partial = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
+        log, rc = f"{partial or ''}\ntimed out after {timeout_s:.0f} s", -1
+    (out / "arch_tests.log").write_text(log)
+    counts = test_counts(log)
     rows.add(
         kind="tests", inputs="-", n=0, pattern=f"{ARCH_ENV}=sm80", config=" ".join(tests), rc=rc,
         seconds=time.monotonic() - start, **counts,
