@@ -24,9 +24,15 @@ parameters are graph inputs), with the token dimension dynamic, so prompts of an
 graph; a one-token decode step gets its own. Supported attention modules are the Qwen3 family's
 and Llama's (the `ATTENTION_CLASSES` below); a layer whose attention module is another keeps its
 eager attention forward and still has its norms and feed-forward block compiled.
-`install(model, False)` restores every eager forward. `model.compile` (default: on CUDA only)
-selects the path in the runner, calibration and `bench.ttft`; tests/models/test_fastpath.py checks
-that the compiled model's logits equal the eager model's.
+Under `model.device_map=auto` accelerate hooks every module that holds weights, down to each
+projection, and its hooks are opaque to the compiler: each one inside a region broke the graph,
+and the pieces, one per module shape, ran into dynamo's recompile limit and fell back to eager
+(seen on two GPUs with Qwen3-32B). A layer's weights sit on one device and its own hook brings
+its inputs there, so `install` removes the hooks of its submodules that only move tensors (not
+those that load offloaded weights). `install(model, False)` restores every eager forward.
+`model.compile` (default: on CUDA only) selects the path in the runner, calibration and
+`bench.ttft`; tests/models/test_fastpath.py checks that the compiled model's logits equal the
+eager model's.
 """
 
 from __future__ import annotations
@@ -73,6 +79,7 @@ def install(model: torch.nn.Module, compile: bool = True) -> int:
         return len(layers)
     saved: dict = {}
     for layer in layers:
+        _drop_inner_device_hooks(layer)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             _set_forward(norm, _bind(_norm_forward, norm), saved)
         _set_forward(layer.mlp, _bind(_feedforward, layer.mlp), saved)
@@ -84,6 +91,31 @@ def install(model: torch.nn.Module, compile: bool = True) -> int:
             _set_forward(attn, types.MethodType(_attention_forward, attn), saved)
     model.__dict__[_EAGER] = saved
     return len(layers)
+
+
+def _drop_inner_device_hooks(layer: torch.nn.Module) -> int:
+    """Remove accelerate's device hooks from the layer's submodules where they only move inputs
+    to the device every weight of the layer is on (no offload); returns how many. The layer's own
+    hook, which brings the hidden states to it, stays."""
+    hooked = [
+        m
+        for m in layer.modules()
+        if m is not layer and type(getattr(m, "_hf_hook", None)).__name__ == "AlignDevicesHook"
+    ]
+    own = getattr(layer, "_hf_hook", None)
+    devices = {p.device for p in layer.parameters()}
+    if (
+        not hooked
+        or type(own).__name__ != "AlignDevicesHook"
+        or {torch.device(own.execution_device)} != devices
+        or any(m._hf_hook.offload for m in hooked)
+    ):
+        return 0
+    from accelerate.hooks import remove_hook_from_module
+
+    for m in hooked:
+        remove_hook_from_module(m)
+    return len(hooked)
 
 
 def is_installed(model: torch.nn.Module) -> bool:
