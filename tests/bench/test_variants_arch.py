@@ -77,3 +77,19 @@ def test_arch_mode_needs_cuda(monkeypatch, capsys):
 def test_modes_parse(mode, monkeypatch):
     monkeypatch.setattr(variants.torch.cuda, "is_available", lambda: False)
     assert variants.main([mode]) == 2
+
+
+def test_arch_tests_cover_every_kernel_that_reads_the_architecture():
+    """The sm80 run tests the kernels whose configurations depend on `kernel_arch`; a kernel that
+    starts reading it needs its tests added to ARCH_TESTS."""
+    root = Path(__file__).resolve().parents[2]
+    readers = {
+        p.stem
+        for p in (root / "kernels").glob("*.py")
+        if p.stem != "triton_util" and "kernel_arch" in p.read_text()
+    }
+    tested = {
+        Path(t).stem.removeprefix("test_").removesuffix("_triton") for t in variants.ARCH_TESTS
+    }
+    assert readers <= tested, readers - tested
+    assert all((root / t).is_file() for t in variants.ARCH_TESTS)
