@@ -296,7 +296,8 @@ def local_digest(directory) -> str:
     check_local_files(directory)
     parts = []
     for path in _weight_files(directory):
-        parts.append([path.name, path.stat().st_size, _content_sample(str(path), *_stamp(path))])
+        size, mtime_ns = _stamp(path)
+        parts.append([path.name, size, _content_sample(str(path), size, mtime_ns)])
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
@@ -310,16 +311,10 @@ def _content_sample(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         if path.endswith(".safetensors"):
-            header = _read_safetensors_header(path, size, mtime_ns)
+            header, spans = _read_safetensors_header(path, size, mtime_ns)
             h.update(header)
-            meta = json.loads(header)
             base = 8 + len(header)
-            starts = sorted(
-                (int(t["data_offsets"][0]), int(t["data_offsets"][1]))
-                for k, t in meta.items()
-                if k != "__metadata__"
-            )
-            for start, end in starts:
+            for start, end in spans:
                 f.seek(base + start)
                 h.update(f.read(min(SAMPLE_BYTES, end - start)))
         else:
@@ -368,14 +363,17 @@ def _check_json(path: str, size: int, mtime_ns: int) -> None:
         raise _damaged(path, f"is not valid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def _safetensors_header(path: Path) -> bytes:
+def _safetensors_header(path: Path) -> tuple[bytes, tuple[tuple[int, int], ...]]:
     return _read_safetensors_header(str(path), *_stamp(path))
 
 
 @functools.lru_cache(maxsize=64)
-def _read_safetensors_header(path: str, size: int, mtime_ns: int) -> bytes:
-    """The JSON header of a safetensors file, checked against the file's size: 8 bytes of header
-    length (little endian), the header, then the tensors' bytes up to the last tensor's end."""
+def _read_safetensors_header(
+    path: str, size: int, mtime_ns: int
+) -> tuple[bytes, tuple[tuple[int, int], ...]]:
+    """(the JSON header of a safetensors file, its tensors' data spans (start, end) in ascending
+    order), checked against the file's size: 8 bytes of header length (little endian), the
+    header, then the tensors' bytes up to the last tensor's end."""
     with open(path, "rb") as f:
         head = f.read(8)
         length = int.from_bytes(head, "little") if len(head) == 8 else -1
@@ -383,19 +381,22 @@ def _read_safetensors_header(path: str, size: int, mtime_ns: int) -> bytes:
             raise _damaged(path, f"holds {size} bytes, too few for its safetensors header")
         header = f.read(length)
     try:
-        meta = json.loads(header)
-        end = max(
-            (int(t["data_offsets"][1]) for k, t in meta.items() if k != "__metadata__"),
-            default=0,
+        spans = tuple(
+            sorted(
+                (int(t["data_offsets"][0]), int(t["data_offsets"][1]))
+                for k, t in json.loads(header).items()
+                if k != "__metadata__"
+            )
         )
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):
         raise _damaged(path, "has no readable safetensors header") from None
+    end = max((e for _, e in spans), default=0)
     if 8 + length + end != size:
         raise _damaged(
             path,
             f"holds {size} bytes where its safetensors header describes {8 + length + end}",
         )
-    return header
+    return header, spans
 
 
 def _source(model_cfg) -> tuple[str | Path, dict]:
