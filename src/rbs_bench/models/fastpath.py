@@ -93,10 +93,10 @@ def install(model: torch.nn.Module, compile: bool = True) -> int:
     return len(layers)
 
 
-def _drop_inner_device_hooks(layer: torch.nn.Module) -> int:
+def _drop_inner_device_hooks(layer: torch.nn.Module) -> None:
     """Remove accelerate's device hooks from the layer's submodules where they only move inputs
-    to the device every weight of the layer is on (no offload); returns how many. The layer's own
-    hook, which brings the hidden states to it, stays."""
+    to the device every weight of the layer is on (no offload). The layer's own hook, which
+    brings the hidden states to it, stays."""
     hooked = [
         m
         for m in layer.modules()
@@ -110,12 +110,11 @@ def _drop_inner_device_hooks(layer: torch.nn.Module) -> int:
         or {torch.device(own.execution_device)} != devices
         or any(m._hf_hook.offload for m in hooked)
     ):
-        return 0
+        return
     from accelerate.hooks import remove_hook_from_module
 
     for m in hooked:
         remove_hook_from_module(m)
-    return len(hooked)
 
 
 def is_installed(model: torch.nn.Module) -> bool:
