@@ -10,10 +10,18 @@ import pytest
 from rbs_bench.bench import variants
 
 
+def _run_probe(tmp_path: Path, source: str, timeout_s: float) -> dict:
+    """arch_tests on one test file of `source`; its row."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text(source)
+    rows = variants.Rows(tmp_path / "arch.csv")
+    variants.arch_tests(rows, tmp_path, [str(probe)], timeout_s=timeout_s)
+    return rows.rows[-1]
+
+
 def test_arch_tests_run_with_sm80_forced(tmp_path: Path, monkeypatch, capsys):
     monkeypatch.delenv("RBS_KERNEL_ARCH", raising=False)
-    probe = tmp_path / "test_probe.py"
-    probe.write_text(
+    source = (
         "import os, pytest\n"
         "@pytest.mark.gpu\n"
         "def test_forced():\n"
@@ -24,9 +32,7 @@ def test_arch_tests_run_with_sm80_forced(tmp_path: Path, monkeypatch, capsys):
         "def test_not_gpu():\n"
         "    assert False\n"
     )
-    rows = variants.Rows(tmp_path / "arch.csv")
-    variants.arch_tests(rows, tmp_path, [str(probe)], timeout_s=120)
-    row = rows.rows[-1]
+    row = _run_probe(tmp_path, source, timeout_s=120)
     assert row["kind"] == "tests" and row["pattern"] == "RBS_KERNEL_ARCH=sm80"
     assert (row["passed"], row["failed"], row["rc"]) == (1, 1, 1)
     assert "test_fails" in (tmp_path / "arch_tests.log").read_text()
@@ -39,8 +45,7 @@ def test_arch_tests_run_with_sm80_forced(tmp_path: Path, monkeypatch, capsys):
 def test_tests_stopped_by_the_budget_are_counted_from_their_progress(tmp_path: Path):
     """A run the time budget stops has no summary line: its progress characters still count,
     and its log is text (an H100 run stopped after 56 tests logged b'....' and 0 passed)."""
-    probe = tmp_path / "test_slow.py"
-    probe.write_text(
+    source = (
         "import time, pytest\n"
         "@pytest.mark.gpu\n"
         "@pytest.mark.parametrize('i', range(3))\n"
@@ -50,19 +55,17 @@ def test_tests_stopped_by_the_budget_are_counted_from_their_progress(tmp_path: P
         "def test_slow():\n"
         "    time.sleep(60)\n"
     )
-    rows = variants.Rows(tmp_path / "arch.csv")
-    variants.arch_tests(rows, tmp_path, [str(probe)], timeout_s=8)
-    row = rows.rows[-1]
+    row = _run_probe(tmp_path, source, timeout_s=8)
     assert (row["rc"], row["passed"], row["failed"]) == (-1, 3, 0)
     log = (tmp_path / "arch_tests.log").read_text()
     assert log.startswith("...") and "timed out after 8 s" in log
 
 
 def test_counts_read_the_summary_line_first():
-    assert variants.test_counts("..F\n1 failed, 2 passed, 3 skipped in 1.0s") == {
+    assert variants.counts_from_pytest_log("..F\n1 failed, 2 passed, 3 skipped in 1.0s") == {
         "passed": 2, "failed": 1, "skipped": 3, "error": 0,
     }  # fmt: skip
-    assert variants.test_counts(".s.F [ 40%]\n.E") == {
+    assert variants.counts_from_pytest_log(".s.F [ 40%]\n.E") == {
         "passed": 3, "failed": 1, "skipped": 1, "error": 1,
     }  # fmt: skip
 

@@ -439,7 +439,7 @@ ARCH_TESTS = (
 PROGRESS = {".": "passed", "F": "failed", "s": "skipped", "E": "error"}
 
 
-def test_counts(log: str) -> dict:
+def counts_from_pytest_log(log: str) -> dict:
     """pytest -q's counts: from its summary line, or, for a run stopped before it (a timeout),
     from its progress characters (one per test: . F s E, x X counted as skipped)."""
     import re
@@ -475,7 +475,7 @@ def arch_tests(rows: Rows, out: Path, tests: list[str], timeout_s: float) -> Non
         partial = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else e.stdout
         log, rc = f"{partial or ''}\ntimed out after {timeout_s:.0f} s", -1
     (out / "arch_tests.log").write_text(log)
-    counts = test_counts(log)
+    counts = counts_from_pytest_log(log)
     rows.add(
         kind="tests", inputs="-", n=0, pattern=f"{ARCH_ENV}=sm80", config=" ".join(tests), rc=rc,
         seconds=time.monotonic() - start, **counts,
