@@ -128,3 +128,19 @@ class FakeDense:
 
     def select(self, q, k, scale=None) -> BlockSelection:  # never called by the hook
         raise AssertionError("a dense selector must not be asked to select")
+
+
+def dispatch_layers(model, layer_devices: list[str], offload_dir):
+    """The model spread by accelerate with decoder layer i on `layer_devices[i]` ("cpu", or
+    "disk": its weights stay on the meta device until the layer runs and its hooks bring them)
+    and everything else on the CPU."""
+    from accelerate import dispatch_model
+
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        **{f"model.layers.{i}": device for i, device in enumerate(layer_devices)},
+        "model.norm": "cpu",
+        "lm_head": "cpu",
+    }
+    return dispatch_model(model, device_map=device_map, offload_dir=str(offload_dir))

@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
+from model_fakes import dispatch_layers
 from omegaconf import OmegaConf
 
 from rbs_bench import methods, models
@@ -22,8 +23,6 @@ GiB = 2**30
 
 
 def test_sparse_hook_and_chunks_run_through_accelerate_dispatch(tmp_path):
-    from accelerate import dispatch_model
-
     model = tiny.build_model(tiny.tiny_config(num_hidden_layers=2))
     ids = torch.randint(0, 256, (1, 1000), generator=torch.Generator().manual_seed(0))
     fields = dict(block_size=64, sink_blocks=1, window_blocks=1, last_q_blocks=0, impl="torch")
@@ -35,15 +34,7 @@ def test_sparse_hook_and_chunks_run_through_accelerate_dispatch(tmp_path):
     uninstall(model)
     assert 0 < alone["density_mean"] < 0.9
 
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.rotary_emb": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",  # weights on the meta device until the layer runs
-        "model.norm": "cpu",
-        "lm_head": "cpu",
-    }
-    spread = dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
+    spread = dispatch_layers(model, ["cpu", "disk"], tmp_path)
     assert spread.model.layers[1].self_attn.q_proj.weight.device.type == "meta"
     chunk_feedforward(spread, 256)  # on top of accelerate's own forward wrappers
     rec = install(spread, selector, "reference")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_fakes import dispatch_layers
 from transformers import AutoModelForCausalLM
 
 from rbs_bench import methods
@@ -159,66 +160,44 @@ def test_compiled_bf16_layers_are_as_close_to_fp32_as_eager_bf16():
     assert (compiled - exact).norm() / exact.norm() <= 1.5 * eager_err
 
 
+IDS = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(1))
+
+
 @pytest.mark.slow
 def test_compiled_layers_lose_the_inner_device_hooks_of_a_dispatched_model(tmp_path):
     """Under accelerate (model.device_map=auto) every projection carries a device hook that the
     compiler cannot trace: each broke the compiled regions into pieces. A layer whose weights sit
     on its own device loses its submodules' hooks (no graph break left there); an offloaded
     layer keeps the hooks that bring its weights; the logits stay the eager model's."""
-    from accelerate import dispatch_model
-
-    hf_attention.register()
-    torch.manual_seed(0)
-    model = tiny.build_model(
-        tiny.tiny_config(num_hidden_layers=3, attn_implementation=hf_attention.ATTN_IMPL)
-    ).eval()
-    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(1))
-    want = logits(model, ids)
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.rotary_emb": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",  # weights arrive through the hooks when the layer runs
-        "model.layers.2": "cpu",
-        "model.norm": "cpu",
-        "lm_head": "cpu",
-    }
-    spread = dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path))
+    model = _tiny_layers(3)
+    want = logits(model, IDS)
+    spread = dispatch_layers(model, ["cpu", "disk", "cpu"], tmp_path)
     layers = spread.model.layers
     assert hasattr(layers[2].self_attn.q_proj, "_hf_hook")  # accelerate's, before install
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    fastpath.install(spread)
+    compiled, breaks = _compiled_logits_and_graph_breaks(spread)
     assert hasattr(layers[2], "_hf_hook")  # the layer's own hook still moves its inputs
     assert not [n for n, m in layers[2].named_modules() if n and hasattr(m, "_hf_hook")]
     assert layers[1].self_attn.q_proj._hf_hook.offload  # the offloaded layer keeps its hooks
-    torch.testing.assert_close(logits(spread, ids), want, rtol=1e-4, atol=1e-4)
-    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    torch.testing.assert_close(compiled, want, rtol=1e-4, atol=1e-4)
     fastpath.install(spread, compile=False)
-    torch.testing.assert_close(logits(spread, ids), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(spread, IDS), want, rtol=1e-5, atol=1e-5)
     # the offloaded layer's hooks still break its regions; the cpu layer adds none
-    assert breaks <= _graph_breaks_of_one_offloaded_layer(tmp_path)
+    one = dispatch_layers(_tiny_layers(2), ["cpu", "disk"], tmp_path / "one")
+    assert breaks <= _compiled_logits_and_graph_breaks(one)[1]
 
 
-def _graph_breaks_of_one_offloaded_layer(tmp_path) -> int:
-    """Graph breaks of the same compiled forward with only the offloaded layer (1 layer, disk)."""
-    from accelerate import dispatch_model
-
+def _tiny_layers(layers: int):
+    """The tiny model with `layers` decoder layers and the sparse attention's name, seeded."""
+    hf_attention.register()
     torch.manual_seed(0)
-    model = tiny.build_model(
-        tiny.tiny_config(num_hidden_layers=2, attn_implementation=hf_attention.ATTN_IMPL)
-    ).eval()
-    device_map = {
-        "model.embed_tokens": "cpu",
-        "model.rotary_emb": "cpu",
-        "model.layers.0": "cpu",
-        "model.layers.1": "disk",
-        "model.norm": "cpu",
-        "lm_head": "cpu",
-    }
-    spread = dispatch_model(model, device_map=device_map, offload_dir=str(tmp_path / "one"))
+    config = tiny.tiny_config(num_hidden_layers=layers, attn_implementation=hf_attention.ATTN_IMPL)
+    return tiny.build_model(config).eval()
+
+
+def _compiled_logits_and_graph_breaks(model):
+    """The fast path installed afresh: the logits of IDS and the graph breaks they took."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    fastpath.install(spread)
-    logits(spread, torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(1)))
-    return sum(torch._dynamo.utils.counters["graph_break"].values())
+    fastpath.install(model)
+    out = logits(model, IDS)
+    return out, sum(torch._dynamo.utils.counters["graph_break"].values())
