@@ -33,9 +33,8 @@ from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
-from rbs_bench.benchmarks._text import Encoder, Sample, fit_middle, is_local, source, stamped
-
 # The sample type, middle truncation and data-source parsing are shared (benchmarks._text).
+from rbs_bench.benchmarks._text import Encoder, Sample, fit_middle, is_local, source, stamped
 from rbs_bench.errors import first_line
 
 # Bump the suffix whenever prompts, truncation or scorers change: it goes into every result row.
