@@ -1,0 +1,115 @@
+"""Seconds per sample of the quick start's cells, every method on the same samples in one process.
+
+    python -m rbs_bench.bench.cpu_samples                      # d25, 6 samples, this machine
+    python -m rbs_bench.bench.cpu_samples --samples 3 --methods dense rbs minference
+
+The quick start (`make quickstart`, `+experiment=ruler_budget`) runs each cell in turn, so a busy
+moment of the machine lands on one method. Here one process loads the embedded model once and runs
+each sample with every method in turn, as the runner does (`greedy_generate` with the attention
+hook installed, `recall=true`), using the committed calibrations of `--budget`
+(results/calibration/<model>/). Two times per sample: `wall` is what the sample costs the run
+(selector, executor and the recall pass, which measures the kept share of the dense attention mass
+with one more dense pass per layer), `request` is the prefill and decode alone, as the records'
+`ttft_s` and `generate_s` count them (the runner leaves the recall pass out). It prints each
+method's median of both and their ratios to dense's, measured in this one run, and writes them to
+results/speed/cpu_samples_<device>.csv.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from rbs_bench.paths import speed_dir
+
+METHODS = ("dense", "flashprefill", "xattn", "flexprefill", "minference", "rbs", "oracle")
+
+
+def _compose(overrides: list[str]):
+    from rbs_bench.parallel import _compose as compose
+
+    return compose(overrides)
+
+
+def measure(methods: list[str], budget: str, samples: int, device: str) -> list[dict]:
+    """Per method: the seconds of each sample (the same samples for every method)."""
+    from rbs_bench.models.hf_attention import install, uninstall
+    from rbs_bench.runner import _eos_ids, greedy_generate
+    from rbs_bench.session import Session, build_selector, model_inputs
+
+    base = ["+experiment=ruler_budget", f"device={device}", f"benchmark.num_samples={samples}"]
+    cfgs = {
+        m: _compose([*base, f"method={m}", f"budget={'default' if m == 'dense' else budget}"])
+        for m in methods
+    }
+    session = Session()
+    first = cfgs[methods[0]]
+    loaded = session.load(first)
+    eos = _eos_ids(loaded.model, loaded.tokenizer)
+    selectors = {m: build_selector(c) for m, c in cfgs.items()}
+    task, length = first.benchmark.tasks[0], first.benchmark.context_lengths[0]
+    work = session.samples(first, loaded, task, length)
+    wall = {m: [] for m in methods}
+    request = {m: [] for m in methods}
+    for i, sample in enumerate(work):
+        inputs = model_inputs(loaded, sample)
+        ids = inputs.pop("input_ids")
+        for m in methods:
+            recorder = install(loaded.model, selectors[m], "auto", recall=True)
+            try:
+                t0 = time.perf_counter()
+                _, _, total = greedy_generate(
+                    loaded.model, ids, sample.max_new_tokens, eos, **inputs
+                )
+                stats = recorder.summary()
+                wall[m].append(time.perf_counter() - t0)
+                request[m].append(total - stats.get("recall_s", 0.0))
+            finally:
+                uninstall(loaded.model)
+        line = "  ".join(f"{m} {wall[m][-1]:.2f}/{request[m][-1]:.2f}" for m in methods)
+        print(f"sample {i + 1}/{len(work)} ({ids.shape[1]} tokens), wall/request s: {line}")
+    med = lambda xs: statistics.median(xs)
+    rows = []
+    for m in methods:
+        row = dict(
+            method=m, budget="default" if m == "dense" else budget, device=device,
+            threads=torch.get_num_threads(), samples=len(wall[m]), task=task,
+            context_length=length, wall_s=round(med(wall[m]), 4),
+            request_s=round(med(request[m]), 4), torch=torch.__version__,
+            time=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        )  # fmt: skip
+        if "dense" in wall:
+            row["wall_over_dense"] = round(med(wall[m]) / med(wall["dense"]), 3)
+            row["request_over_dense"] = round(med(request[m]) / med(request["dense"]), 3)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--budget", default="d25")
+    ap.add_argument("--samples", type=int, default=6)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--out", default=None, help="folder of the CSV (default results/speed)")
+    args = ap.parse_args(argv)
+    import pandas as pd
+
+    rows = measure(args.methods, args.budget, args.samples, args.device)
+    df = pd.DataFrame(rows)
+    out = Path(args.out) if args.out else speed_dir("results")
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"cpu_samples_{args.device}.csv"
+    df.to_csv(path, index=False)
+    cols = ["method", "wall_s", "wall_over_dense", "request_s", "request_over_dense"]
+    print(df[[c for c in cols if c in df]].to_string(index=False))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
