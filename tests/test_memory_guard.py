@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from rbs_bench import calibrate, methods, runner, session
+from rbs_bench import calibrate, methods, session
 from rbs_bench.bench import ttft
 from rbs_bench.config import TimingCfg
-from rbs_bench.models import tiny
+from rbs_bench.models import generate, tiny
 
 MiB = 2**20
 N = 2048
@@ -53,7 +53,7 @@ def ids():
 
 @pytest.mark.slow
 def test_runner_prefill_keeps_the_last_logits_only(model, ids):
-    _, peak = ttft.cpu_peak_bytes(lambda: runner.greedy_generate(model, ids, 2, set()))
+    _, peak = ttft.cpu_peak_bytes(lambda: generate.greedy_generate(model, ids, 2, set()))
     assert peak < KV_CACHE + LAYER, f"{peak / MiB:.0f} MiB"
 
 

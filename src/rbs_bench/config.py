@@ -366,3 +366,16 @@ def sweep_cells(params, overrides: list[str]) -> list[list[str]]:
 def grid_overrides(hc) -> list[list[str]]:
     """The experiment's sweep, less the keys the command line pins, as lists of overrides."""
     return sweep_cells(hc.sweeper.get("params"), list(hc.overrides.task))
+
+
+def compose_cell(overrides: list[str]):
+    """The composed config of these overrides outside a Hydra run (no `hydra.*` keys); a bad
+    override is the user's input: one line (`explain`)."""
+    from hydra import compose, initialize_config_module
+
+    register_schemas()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except Exception as exc:
+        raise UserError(explain(exc)) from None

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rbs_bench.config import CONFIG_MODULE, UserError, explain, reference_cells, register_schemas
+from rbs_bench.config import UserError, compose_cell, reference_cells
 from rbs_bench.slurm import _parse, grid
 
 LOG_DIR = Path("outputs/parallel")
@@ -54,17 +54,6 @@ class Cell:
 
 
 CELL_KEYS = ("method", "budget", "budget.target", "method.block_size", "rbs_thresholds")
-
-
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_module
-
-    register_schemas()
-    try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return compose(config_name="config", overrides=overrides)
-    except Exception as exc:  # a bad override is the user's input
-        raise UserError(explain(exc)) from None
 
 
 def _count(cfg) -> int:
@@ -91,11 +80,11 @@ def cells(spec: str, common: list[str]) -> list[Cell]:
     sweep, hydra_ovs = grid(base)  # a comma-separated value in `common` is an axis of the grid
     fixed = [o.input_line for o in _parse(base) if not o.is_sweep_override()]
     fixed = [o for o in fixed if not o.startswith("hydra.")]
-    cfg = _compose(fixed)
+    cfg = compose_cell(fixed)
     out = []
     for extra in reference_cells(cfg, base) + sweep:
         ovs = fixed + [o for o in extra if o not in fixed] + hydra_ovs
-        cell_cfg = _compose([o for o in ovs if not o.startswith("hydra.")])
+        cell_cfg = compose_cell([o for o in ovs if not o.startswith("hydra.")])
         records = cell_dir(cell_cfg, experiment) / "records.jsonl"
         out.append(Cell(experiment, ovs, records, _count(cell_cfg)))
     return out

@@ -20,6 +20,7 @@ from rbs_bench.config import out_of_time
 from rbs_bench.errors import UserError
 from rbs_bench.execution import resolve_executor
 from rbs_bench.models import fastpath
+from rbs_bench.models.generate import eos_ids, greedy_generate
 from rbs_bench.models.hf_attention import install, uninstall
 from rbs_bench.paths import RECORDS
 from rbs_bench.records import RecordStore, cell_lock, check_settings, write_settings
@@ -44,52 +45,6 @@ def _flatten(d: dict, prefix: str = "") -> dict:
         else:
             out[f"{prefix}{k}"] = v
     return out
-
-
-@torch.inference_mode()
-def greedy_generate(
-    model, input_ids: torch.Tensor, max_new_tokens: int, eos: set[int], **prefill_inputs
-):
-    """Prefill + greedy decode. Returns (new token ids, seconds to first token, seconds total).
-
-    `prefill_inputs` (a video's pixels, grid and token types) go to the prefill call only."""
-    from rbs_bench.models.vision import reset_position_state
-
-    reset_position_state(model)  # a multimodal model's RoPE offset belongs to one prompt
-    sync = torch.cuda.synchronize if input_ids.is_cuda else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    # The last position's logits only: a 128K prompt's full logits (N x vocab) would take more
-    # memory than the KV cache of every layer.
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **prefill_inputs)
-    logits = out.logits[:, -1]
-    if not torch.isfinite(logits).all():
-        raise UserError(
-            "the model produced NaN/Inf logits in prefill; check model.dtype "
-            "(float16 can overflow) and the checkpoint"
-        )
-    token = logits.argmax(-1, keepdim=True)  # [1, 1]
-    sync()
-    ttft = time.perf_counter() - t0
-    new = [int(token)]
-    past = out.past_key_values
-    while len(new) < max_new_tokens and new[-1] not in eos:
-        out = model(input_ids=token, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        new.append(int(token))
-    sync()
-    return new, ttft, time.perf_counter() - t0
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = set()
-    for src in (getattr(model.generation_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(src, int):
-            ids.add(src)
-        elif src:
-            ids.update(src)
-    return ids
 
 
 def run_settings(cfg: DictConfig, selector, bench) -> dict:
@@ -192,7 +147,7 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
         write_settings(store, settings)  # (re)builds a missing cell.json from the checked records
         return store.path
     recorder = install(loaded.model, selector, executor, recall=bool(cfg.get("recall")))
-    eos = _eos_ids(loaded.model, loaded.tokenizer)
+    eos = eos_ids(loaded.model, loaded.tokenizer)
     bar = tqdm(pending, desc=label, unit="sample", disable=not cfg.progress, dynamic_ncols=True)
     # the bar shows the cell's running mean score: the samples recorded before, then this run's
     done = [store.done((s.task, n, s.index)) for s, n in work]

@@ -68,7 +68,7 @@ def test_shipped_files_fit_the_package():
 @pytest.mark.slow
 def test_shipped_model_retrieves_a_ruler_needle_among_distractors():
     from rbs_bench.benchmarks import ruler
-    from rbs_bench.runner import greedy_generate
+    from rbs_bench.models.generate import greedy_generate
 
     model, tok = models.load(_model_cfg("tiny"))
     (sample,) = ruler.generate("niah_multikey_2", 1024, 1, models.encoder(tok), seed=7)

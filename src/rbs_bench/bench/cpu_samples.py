@@ -5,7 +5,7 @@
 
 The quick start (`make quickstart`, `+experiment=ruler_budget`) runs each cell in turn, so a busy
 moment of the machine lands on one method. Here one process loads the embedded model once and runs
-each sample with every method in turn, as the runner does (`greedy_generate` with the attention
+each sample with every method in turn, as the runner does (`models.generate` with the attention
 hook installed, `recall=true`), using the committed calibrations of `--budget`
 (results/calibration/<model>/). Two times per sample: `wall` is what the sample costs the run
 (selector, executor and the recall pass, which measures the kept share of the dense attention mass
@@ -29,27 +29,22 @@ from rbs_bench.paths import speed_dir
 METHODS = ("dense", "flashprefill", "xattn", "flexprefill", "minference", "rbs", "oracle")
 
 
-def _compose(overrides: list[str]):
-    from rbs_bench.parallel import _compose as compose
-
-    return compose(overrides)
-
-
 def measure(methods: list[str], budget: str, samples: int, device: str) -> list[dict]:
     """Per method: the seconds of each sample (the same samples for every method)."""
+    from rbs_bench.config import compose_cell
+    from rbs_bench.models.generate import eos_ids, greedy_generate
     from rbs_bench.models.hf_attention import install, uninstall
-    from rbs_bench.runner import _eos_ids, greedy_generate
     from rbs_bench.session import Session, build_selector, model_inputs
 
     base = ["+experiment=ruler_budget", f"device={device}", f"benchmark.num_samples={samples}"]
     cfgs = {
-        m: _compose([*base, f"method={m}", f"budget={'default' if m == 'dense' else budget}"])
+        m: compose_cell([*base, f"method={m}", f"budget={'default' if m == 'dense' else budget}"])
         for m in methods
     }
     session = Session()
     first = cfgs[methods[0]]
     loaded = session.load(first)
-    eos = _eos_ids(loaded.model, loaded.tokenizer)
+    eos = eos_ids(loaded.model, loaded.tokenizer)
     selectors = {m: build_selector(c) for m, c in cfgs.items()}
     task, length = first.benchmark.tasks[0], first.benchmark.context_lengths[0]
     work = session.samples(first, loaded, task, length)
