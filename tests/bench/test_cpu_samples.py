@@ -22,3 +22,10 @@ def test_every_method_runs_the_same_samples_and_is_compared_with_dense(tmp_path,
     assert (sparse["request_s"] < sparse["wall_s"]).all()
     out = capsys.readouterr().out
     assert "sample 2/2 (3862 tokens)" in out and "request_over_dense" in out
+
+
+def test_an_unknown_method_is_one_line(tmp_path, capsys):
+    assert cpu_samples.main(["--methods", "dense", "nosuch", "--out", str(tmp_path)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nosuch" in err[0], err
+    assert not (tmp_path / "cpu_samples_cpu.csv").exists()

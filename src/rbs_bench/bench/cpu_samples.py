@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from rbs_bench.errors import UserError, one_line
 from rbs_bench.paths import speed_dir
 
 METHODS = ("dense", "flashprefill", "xattn", "flexprefill", "minference", "rbs", "oracle")
@@ -92,8 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="folder of the CSV (default results/speed)")
     args = ap.parse_args(argv)
+    return one_line(lambda: _run(args))
+
+
+def _run(args) -> int:
     import pandas as pd
 
+    if args.samples < 1:
+        raise UserError(f"--samples {args.samples}: at least 1")
     rows = measure(args.methods, args.budget, args.samples, args.device)
     df = pd.DataFrame(rows)
     out = Path(args.out) if args.out else speed_dir("results")
