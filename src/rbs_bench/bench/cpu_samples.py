@@ -38,10 +38,8 @@ def measure(methods: list[str], budget: str, samples: int, device: str) -> list[
     from rbs_bench.session import Session, build_selector, model_inputs
 
     base = ["+experiment=ruler_budget", f"device={device}", f"benchmark.num_samples={samples}"]
-    cfgs = {
-        m: compose_cell([*base, f"method={m}", f"budget={'default' if m == 'dense' else budget}"])
-        for m in methods
-    }
+    budgets = {m: "default" if m == "dense" else budget for m in methods}
+    cfgs = {m: compose_cell([*base, f"method={m}", f"budget={budgets[m]}"]) for m in methods}
     session = Session()
     first = cfgs[methods[0]]
     loaded = session.load(first)
@@ -68,11 +66,11 @@ def measure(methods: list[str], budget: str, samples: int, device: str) -> list[
                 uninstall(loaded.model)
         line = "  ".join(f"{m} {wall[m][-1]:.2f}/{request[m][-1]:.2f}" for m in methods)
         print(f"sample {i + 1}/{len(work)} ({ids.shape[1]} tokens), wall/request s: {line}")
-    med = lambda xs: statistics.median(xs)
+    med = statistics.median
     rows = []
     for m in methods:
         row = dict(
-            method=m, budget="default" if m == "dense" else budget, device=device,
+            method=m, budget=budgets[m], device=device,
             threads=torch.get_num_threads(), samples=len(wall[m]), task=task,
             context_length=length, wall_s=round(med(wall[m]), 4),
             request_s=round(med(request[m]), 4), torch=torch.__version__,
