@@ -368,14 +368,16 @@ def grid_overrides(hc) -> list[list[str]]:
     return sweep_cells(hc.sweeper.get("params"), list(hc.overrides.task))
 
 
-def compose_cell(overrides: list[str]):
-    """The composed config of these overrides outside a Hydra run (no `hydra.*` keys); a bad
-    override is the user's input: one line (`explain`)."""
+def compose_cell(overrides: list[str], hydra_config: bool = False):
+    """The composed config of these overrides outside a Hydra run (with its `hydra.*` keys only
+    when `hydra_config`); a bad override is the user's input: one line (`explain`)."""
     from hydra import compose, initialize_config_module
 
     register_schemas()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            return compose(config_name="config", overrides=overrides)
+            return compose(
+                config_name="config", overrides=overrides, return_hydra_config=hydra_config
+            )
     except Exception as exc:
         raise UserError(explain(exc)) from None

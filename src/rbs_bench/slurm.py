@@ -18,7 +18,7 @@ import argparse
 import os
 import sys
 
-from rbs_bench.config import CONFIG_MODULE, explain, register_schemas
+from rbs_bench.config import compose_cell, explain
 from rbs_bench.errors import UserError
 
 
@@ -33,14 +33,7 @@ def _parse(overrides: list[str]):
 
 def _sweeper_params(overrides: list[str]) -> dict:
     """`hydra.sweeper.params` of the config these (non-sweep) overrides compose."""
-    from hydra import compose, initialize_config_module
-
-    register_schemas()
-    try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
-    except Exception as exc:  # any composition failure is the user's input
-        raise UserError(explain(exc)) from None
+    cfg = compose_cell(overrides, hydra_config=True)
     return dict(cfg.hydra.sweeper.get("params") or {})
 
 
