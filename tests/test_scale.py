@@ -69,6 +69,9 @@ def test_scale_report_from_records(tmp_path):
             "peak_allocated_mib": 77000,
             "ttft_speedup": 3.0,  # as bench.ttft writes them: dense over method
             "attention_speedup": 12.0,
+            "ffn_chunk_tokens": 0,
+            "compile": True,
+            "gemm_ms_per_layer": 4.0,
         },
         {
             **base,
@@ -103,6 +106,10 @@ def test_scale_report_from_records(tmp_path):
     ttft = [line for line in text.splitlines() if line.startswith("| qwen3_30b_a3b | ")]
     assert len(ttft) == 2  # the 4-layer row is not a full-depth row
     assert "| 12.00 | 3.00 |" in ttft[1]  # attention and TTFT speedups over dense
+    # how the layers ran, and the part outside attention per layer against the layer's GEMMs
+    assert "| compiled, FFN unchunked | RBS-Attention |" in ttft[1]
+    assert "| 5.21 | 1.30 | 12.00 |" in ttft[1]
+    assert "| eager, FFN unchunked | Dense |" in ttft[0] and "| 6.25 | – | 1.00 |" in ttft[0]
 
 
 def test_scale_report_names_gpu_count_and_visual_share(tmp_path):

@@ -321,15 +321,22 @@ def _ttft_section(df: pd.DataFrame, csv: Path) -> list[str]:
     out = [
         "## TTFT at full depth",
         "",
-        "| model | layers | batch | context | method | status | density | TTFT ms | "
-        "prefill attention ms | selector ms | x attention | x TTFT | peak alloc GiB | "
-        "peak reserved GiB | estimate GiB | alloc - estimate GiB |",
-        "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | layers | batch | context | layers run | method | status | density | TTFT ms | "
+        "prefill attention ms | selector ms | outside attention ms / layer | x GEMM | "
+        "x attention | x TTFT | peak alloc GiB | peak reserved GiB | estimate GiB | "
+        "alloc - estimate GiB |",
+        "|---|---:|---:|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+        "---:|",
     ]
     for _, r in df.iterrows():
         ok = r["status"] == "ok"  # the speedups bench.ttft wrote beside each row
         xa = r.get("attention_speedup") if ok else None
         xt = r.get("ttft_speedup") if ok else None
+        outside = None
+        if ok and not pd.isna(r.get("attention_ms", math.nan)):
+            outside = (r["ttft_ms"] - r["attention_ms"]) / r["layers"]
+        gemm = r.get("gemm_ms_per_layer")
+        x_gemm = outside / gemm if outside and gemm is not None and not pd.isna(gemm) else None
         gpus = r.get("gpus")
         est = _estimate_gib(
             str(r["model"]), int(r["n"]), int(r["batch"]), int(r["layers"]),
@@ -337,10 +344,12 @@ def _ttft_section(df: pd.DataFrame, csv: Path) -> list[str]:
             chunk=r.get("ffn_chunk_tokens"),
         )  # fmt: skip
         out.append(
-            f"| {r['model']} | {r['layers']} | {r['batch']} | {int(r['n']):,} | "
+            f"| {r['model']} | {r['layers']} | {r['batch']} | {int(r['n']):,} | {_path(r)} | "
             f"{_display(r['method'])} | {r['status']} | {_num(r.get('density'), '.4f')} | "
             f"{_num(r.get('ttft_ms'), ',.1f')} | {_num(r.get('attention_ms'), ',.1f')} | "
-            f"{_num(r.get('selector_ms'), ',.1f')} | {_num(xa, '.2f')} | {_num(xt, '.2f')} | "
+            f"{_num(r.get('selector_ms'), ',.1f')} | "
+            f"{_num(outside, '.2f')} | {_num(x_gemm, '.2f')} | "
+            f"{_num(xa, '.2f')} | {_num(xt, '.2f')} | "
             f"{_gib(r.get('peak_allocated_mib'))} | {_gib(r.get('peak_reserved_mib'))} | "
             f"{_num(est, '.1f')} | {_gap(r.get('peak_allocated_mib'), est)} |"
         )
@@ -348,11 +357,23 @@ def _ttft_section(df: pd.DataFrame, csv: Path) -> list[str]:
         "",
         f"From `{csv}` (`python -m rbs_bench.bench.ttft --layers <all>`): every method "
         "calibrated to the target density on the prompt's own dense prefill; x: dense over "
-        "method, same batch and context. Peak: over the timed requests (prefill with the KV cache "
-        "and one decode step). Estimate: `rbs_bench.models.memory` for that batch and context.",
+        "method, same batch and context. Layers run: compiled (the regions outside attention, "
+        "`rbs_bench.models.fastpath`) or eager, and the feed-forward blocks' token chunk. "
+        "Outside attention: (TTFT - prefill attention) / layers; x GEMM: that over one layer's "
+        "GEMMs alone on the same tokens, timed in the same run (– for rows from before the "
+        "column). Peak: over the timed requests (prefill with the KV cache and one decode "
+        "step). Estimate: `rbs_bench.models.memory` for that batch and context.",
         "",
     ]
     return out
+
+
+def _path(r) -> str:
+    """How a TTFT row ran its layers: compiled or eager, and its feed-forward token chunk."""
+    chunk = r.get("ffn_chunk_tokens")
+    chunk = 0 if chunk is None or pd.isna(chunk) else int(chunk)
+    how = "compiled" if str(r.get("compile")).strip().lower() == "true" else "eager"
+    return f"{how}, " + (f"FFN {chunk // 1024}K chunks" if chunk else "FFN unchunked")
 
 
 # ---- report -------------------------------------------------------------------------------------

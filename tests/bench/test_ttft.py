@@ -233,6 +233,9 @@ def test_run_writes_every_column_resumes_and_reuses_calibration(tmp_path, capsys
     assert rbs["ttft_speedup"] == pytest.approx(dense["ttft_ms"] / rbs["ttft_ms"])
     assert rbs["attention_speedup"] == pytest.approx(dense["attention_ms"] / rbs["attention_ms"])
     assert rbs["sparse_attention_ms"] == pytest.approx(rbs["attention_ms"] - rbs["selector_ms"])
+    per_layer = (rbs["ttft_ms"] - rbs["attention_ms"]) / s.layers
+    assert rbs["outside_ms_per_layer"] == pytest.approx(per_layer)
+    assert math.isnan(rbs["gemm_ms_per_layer"]) and math.isnan(rbs["outside_x_gemm"])  # CPU
     assert rbs["tokens_per_s"] == pytest.approx(N / (rbs["ttft_ms"] / 1e3))
     assert rbs["knob_name"] == "alpha_scale"
     # the sparsest scale: each branch's threshold stops at 1 (its top block)
@@ -350,6 +353,11 @@ def test_gpu_one_layer_qwen3_30b_a3b_shape(tmp_path):
     assert df.loc["dense", "peak_allocated_mib"] > df.loc["dense", "model_mib"]
     assert df.loc["rbs", "peak_reserved_mib"] >= df.loc["rbs", "peak_allocated_mib"]
     assert df.loc["rbs", "ttft_ms"] > df.loc["rbs", "attention_ms"] > df.loc["rbs", "selector_ms"]
+    # one layer's GEMMs on the same tokens, and the part outside attention against them
+    assert df.loc["dense", "gemm_ms_per_layer"] > 0
+    assert df.loc["dense", "outside_x_gemm"] == pytest.approx(
+        df.loc["dense", "outside_ms_per_layer"] / df.loc["dense", "gemm_ms_per_layer"]
+    )
 
 
 def test_a_checkpoint_directory_is_timed_through_from_pretrained(tmp_path):

@@ -48,6 +48,14 @@ Columns (times in ms; CUDA events on a GPU, perf_counter on a CPU):
   one select() call on one layer beyond its inputs, less the selection it returns (selection_mib).
 - prompts_per_s = batch / TTFT, tokens_per_s = batch x N / TTFT; ttft_speedup and
   attention_speedup: dense's time over the method's at the same N and batch.
+- outside_ms_per_layer = (ttft_ms - attention_ms) / layers: the part of the prefill outside
+  attention, per layer (it also holds the embedding, the final norm, the LM head at one position
+  and the token's copy to the host, which are small beside a layer). gemm_ms_per_layer (CUDA):
+  the GEMMs of one decoder layer alone on the request's batch x N tokens, timed in the same run
+  on the layer's own weights (`rbs_bench.bench.layer_profile.gemm_reference_ms`: projections,
+  router, the experts' grouped GEMMs with the rows spread evenly, or a dense MLP);
+  outside_x_gemm = outside_ms_per_layer / gemm_ms_per_layer, the roofline ratio an inference
+  engine brings near 1.
 
 Outputs in --out (default results/speed): ttft_<device>.csv, one row per (model, batch, N,
 method, target), rewritten after each row; a rerun skips finished rows.
@@ -760,6 +768,22 @@ def _measure(cal: Calibrated, selector, q: Tensor, k: Tensor) -> None:
     cal.selector_workspace_mib, cal.selection_mib = selector_memory(selector, q, k)
 
 
+def layer_gemm_ms(lm: Loaded, tokens: int) -> float:
+    """Milliseconds of one decoder layer's GEMMs alone on `tokens` tokens (CUDA; NaN on a CPU
+    or when its inputs do not fit beside the model): the roofline reference of the layer."""
+    if lm.device.type != "cuda":
+        return math.nan
+    from rbs_bench.bench.layer_profile import gemm_reference_ms
+    from rbs_bench.models.fastpath import decoder_layers
+
+    try:
+        ms, _ = gemm_reference_ms(decoder_layers(lm.model)[0], tokens)
+    except torch.cuda.OutOfMemoryError:
+        ms = math.nan
+    _release(lm.device)
+    return ms
+
+
 def _peak_mib(device: torch.device) -> float:
     if device.type != "cuda":
         return 0.0
@@ -875,7 +899,8 @@ def plan(s: Settings) -> list[tuple[int, int, str]]:
 
 def derive(df: pd.DataFrame) -> pd.DataFrame:
     """Add ttft_speedup and attention_speedup: dense's time over the row's, same model, batch, N."""
-    df = df.drop(columns=["ttft_speedup", "attention_speedup"], errors="ignore")
+    derived = ["ttft_speedup", "attention_speedup", "outside_ms_per_layer", "outside_x_gemm"]
+    df = df.drop(columns=derived, errors="ignore")
     if df.empty:
         return df
     # rows from before the column ran their feed-forward blocks unchunked: 0
@@ -892,6 +917,9 @@ def derive(df: pd.DataFrame) -> pd.DataFrame:
     df = df.merge(dense, on=keys, how="left")
     df["ttft_speedup"] = df["_dense_ttft"] / df["ttft_ms"]
     df["attention_speedup"] = df["_dense_attn"] / df["attention_ms"]
+    df["outside_ms_per_layer"] = (df["ttft_ms"] - df["attention_ms"]) / df["layers"]
+    gemm = df["gemm_ms_per_layer"] if "gemm_ms_per_layer" in df else math.nan
+    df["outside_x_gemm"] = df["outside_ms_per_layer"] / gemm
     return df.drop(columns=["_dense_ttft", "_dense_attn"])
 
 
@@ -1046,6 +1074,7 @@ def run(s: Settings) -> pd.DataFrame:
         total=len(pending), desc="ttft", unit="row", disable=not s.progress, dynamic_ncols=True
     )
     prompt_cache: dict[int, Tensor] = {}
+    gemm_ms: dict[int, float] = {}  # tokens -> one layer's GEMM time
     for b, n, name in pending:
         if s.time_budget_s is not None and time.perf_counter() - t_start > s.time_budget_s:
             stopped = True
@@ -1077,6 +1106,9 @@ def run(s: Settings) -> pd.DataFrame:
         row.update(heads=lm.heads, kv_heads=lm.kv_heads, head_dim=lm.head_dim)
         row.update(batch=b, n=n, method=name, target=_target(s, name))
         row.update(_cal_columns(cal, b))
+        if b * n not in gemm_ms:
+            gemm_ms[b * n] = layer_gemm_ms(lm, b * n)
+        row["gemm_ms_per_layer"] = gemm_ms[b * n]
         if lm.device.type == "cuda":
             for d in _gpus():
                 torch.cuda.reset_peak_memory_stats(d)
@@ -1188,10 +1220,13 @@ def _row_line(r) -> str:
     speed = ""
     if not pd.isna(r.get("ttft_speedup")):
         speed = f"  x{r['attention_speedup']:.2f} attn  x{r['ttft_speedup']:.2f} TTFT"
+    outside = f"  outside {r['outside_ms_per_layer']:.2f} ms/layer"
+    if not pd.isna(r.get("outside_x_gemm")):
+        outside += f" ({r['outside_x_gemm']:.2f}x GEMM)"
     return (
         f"b={r['batch']} N={r['n']:>6} {r['method']:12s} density {r['density']:.4f}{flag}  "
         f"TTFT {r['ttft_ms']:9.2f} ms  attn {r['attention_ms']:9.2f} ms  "
-        f"sel {r['selector_ms']:7.2f} ms  peak {r['peak_allocated_mib']:9.1f} MiB{speed}"
+        f"sel {r['selector_ms']:7.2f} ms  peak {r['peak_allocated_mib']:9.1f} MiB{speed}{outside}"
     )
 
 
