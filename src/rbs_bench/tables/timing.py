@@ -138,13 +138,29 @@ def _setting(df: pd.DataFrame) -> list[str]:
     return [
         f"Model: {r['model_desc']}. Device: {r['device']}; torch {r['torch']}, triton "
         f"{MISSING if pd.isna(triton) or not triton else triton}, transformers "
-        f"{r['transformers']}; sparse executor {executor}, dense SDPA backend {r['sdpa_backend']}.",
+        f"{r['transformers']}; sparse executor {executor}, dense SDPA backend {r['sdpa_backend']}; "
+        f"{_layers_run(r)}.",
         f"Times: {_repeats(int(r['repeats']))} after {int(r['warmup'])} warm-up{_runs(df)}; "
         "each method's knob is calibrated on the prompt's captured dense prefill to "
         f"{_pct(df.loc[df['method'] != DENSE, 'target'])} measured density (kept causal "
         f"128-token block pairs, mean over layers and heads). {FLAG} the target is not reachable "
         "(the forced blocks alone exceed it at this length): the closest density is used.",
     ]
+
+
+def _layers_run(r) -> str:
+    """How the row ran its layers outside attention."""
+    compiled = as_bool(r.get("compile"))
+    chunk = r.get("ffn_chunk_tokens")
+    chunk = 0 if chunk is None or pd.isna(chunk) else int(chunk)
+    how = (
+        "regions outside attention compiled (rbs_bench.models.fastpath)"
+        if compiled
+        else "layers eager"
+    )
+    if chunk:
+        return f"{how}, feed-forward blocks over {chunk // 1024}K-token chunks"
+    return f"{how}, feed-forward blocks unchunked"
 
 
 def _repeats(n: int) -> str:
@@ -312,7 +328,19 @@ def _dense_line(one: pd.DataFrame, ns) -> str:
         for n in ns
         if n in d.index
     ]
-    return "Dense TTFT / prefill attention (ms): " + ("; ".join(parts) or MISSING) + "."
+    line = "Dense TTFT / prefill attention (ms): " + ("; ".join(parts) or MISSING) + "."
+    if "gemm_ms_per_layer" in d and d["gemm_ms_per_layer"].notna().any():
+        outside = [
+            f"{context_label(n)} {_num(d.loc[n, 'outside_ms_per_layer'], '.1f')} ms, "
+            f"{_num(d.loc[n, 'outside_x_gemm'], '.2f')}x"
+            for n in ns
+            if n in d.index and not pd.isna(d.loc[n, "gemm_ms_per_layer"])
+        ]
+        line += (
+            " Dense outside attention per layer, and over the layer's GEMMs alone on the same "
+            "tokens (timed in the same run): " + "; ".join(outside) + "."
+        )
+    return line
 
 
 def _oom_note(df: pd.DataFrame, batch: int) -> list[str]:
@@ -613,24 +641,44 @@ def _tag(csv: Path) -> str:
 
 
 def setting_groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """The CSV split by setting: (model, layers, dtype) and the sparse rows' target density, each
-    with its dense rows; a file-name suffix for each ("" when the CSV holds a single setting)."""
+    """The CSV split by setting: (model, layers, dtype), how the layers ran (compiled or eager,
+    the feed-forward token chunk) and the sparse rows' target density, each with its dense rows;
+    a file-name suffix for each ("" when the CSV holds a single setting). Of several ways one
+    model ran, the latest (by its rows' run time) keeps the plain name and the older ones get
+    theirs added (`_eager_ffn16k`), so that a table's name keeps pointing at the current rows."""
+    df = df.assign(
+        _compiled=df["compile"].map(as_bool) if "compile" in df else False,
+        _chunk=df["ffn_chunk_tokens"].fillna(0).astype(int) if "ffn_chunk_tokens" in df else 0,
+    )
     groups = []
     for (model, layers, dtype), g in df.groupby(["model", "layers", "dtype"], sort=False):
-        dense, sparse = g[g["method"] == DENSE], g[g["method"] != DENSE]
-        for t in sorted(sparse["target"].unique()) or [None]:
-            part = dense if t is None else pd.concat([dense, sparse[sparse["target"] == t]])
-            groups.append(((model, int(layers), dtype, t), part))
+        paths = sorted(
+            g.groupby(["_compiled", "_chunk"], sort=False),
+            key=lambda kv: str(kv[1]["run"].max()) if "run" in kv[1] else "",
+            reverse=True,
+        )
+        for i, ((compiled, chunk), gp) in enumerate(paths):
+            path = "" if i == 0 else _path_suffix(compiled, chunk)
+            dense, sparse = gp[gp["method"] == DENSE], gp[gp["method"] != DENSE]
+            for t in sorted(sparse["target"].unique()) or [None]:
+                part = dense if t is None else pd.concat([dense, sparse[sparse["target"] == t]])
+                part = part.drop(columns=["_compiled", "_chunk"])
+                groups.append(((model, int(layers), dtype, t, path), part))
     if len(groups) == 1:
         return [("", groups[0][1])]
     many_targets = len({key[3] for key, _ in groups}) > 1
+    one_model = len({key[:3] for key, _ in groups}) == 1
     out = []
-    for (model, layers, dtype, t), part in groups:
-        suffix = f"_{model}_{layers}l_{dtype}"
+    for (model, layers, dtype, t, path), part in groups:
+        suffix = "" if one_model else f"_{model}_{layers}l_{dtype}"
         if many_targets and t is not None:
             suffix += f"_d{100 * t:g}".replace(".", "p")  # _d5, _d2p5: no dot in a file stem
-        out.append((suffix, part))
+        out.append((suffix + path, part))
     return out
+
+
+def _path_suffix(compiled: bool, chunk: int) -> str:
+    return f"_{'compiled' if compiled else 'eager'}_" + (f"ffn{chunk // 1024}k" if chunk else "ffn")
 
 
 def build_tables(
