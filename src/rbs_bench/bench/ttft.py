@@ -52,7 +52,7 @@ Columns (times in ms; CUDA events on a GPU, perf_counter on a CPU):
   attention, per layer (it also holds the embedding, the final norm, the LM head at one position
   and the token's copy to the host, which are small beside a layer). gemm_ms_per_layer (CUDA):
   the GEMMs of one decoder layer alone on the request's batch x N tokens, timed in the same run
-  on the layer's own weights (`rbs_bench.bench.layer_profile.gemm_reference_ms`: projections,
+  on the layer's own weights (`rbs_bench.bench.roofline.gemm_reference_ms`: projections,
   router, the experts' grouped GEMMs with the rows spread evenly, or a dense MLP);
   outside_x_gemm = outside_ms_per_layer / gemm_ms_per_layer, the roofline ratio an inference
   engine brings near 1.
@@ -91,6 +91,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
 from rbs_bench import methods
+from rbs_bench.bench.roofline import gemm_reference_ms
 from rbs_bench.budget import knob_value
 from rbs_bench.config import TimingCfg
 from rbs_bench.errors import UserError
@@ -773,7 +774,6 @@ def layer_gemm_ms(lm: Loaded, tokens: int) -> float:
     or when its inputs do not fit beside the model): the roofline reference of the layer."""
     if lm.device.type != "cuda":
         return math.nan
-    from rbs_bench.bench.layer_profile import gemm_reference_ms
     from rbs_bench.models.fastpath import decoder_layers
 
     try:
