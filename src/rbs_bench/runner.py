@@ -25,12 +25,12 @@ from rbs_bench.models.hf_attention import install, uninstall
 from rbs_bench.paths import RECORDS
 from rbs_bench.records import RecordStore, cell_lock, check_settings, write_settings
 from rbs_bench.session import (
-    Loaded,
     Session,
     build_selector,
     cell_dir,
     check_benchmark,
     model_inputs,
+    warm_up,
 )
 
 MiB = 2**20
@@ -165,7 +165,7 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
             if store.done((sample.task, length, sample.index)):
                 continue
             if loaded.device.type == "cuda" and length not in warmed:
-                _warm_up(loaded, sample)  # compile/autotune outside the timed region
+                warm_up(loaded, sample)  # compile/autotune outside the timed region
                 warmed.add(length)
             rec = _run_sample(
                 cfg, experiment, selector, bench, loaded, recorder, eos, sample, length
@@ -181,19 +181,6 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
     finally:
         uninstall(loaded.model)
     return store.path
-
-
-@torch.inference_mode()
-def _warm_up(loaded: Loaded, sample) -> None:
-    """One untimed prefill of a prompt of this length and one decode step, so that kernel
-    compilation and autotuning (and the compiled layers' graphs) are not timed."""
-    from rbs_bench.models.vision import reset_position_state
-
-    reset_position_state(loaded.model)
-    out = loaded.model(**model_inputs(loaded, sample), use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    loaded.model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
-    torch.cuda.synchronize(loaded.device)
 
 
 def _sha1(text: str) -> str:

@@ -117,6 +117,7 @@ class Session:
     def __init__(self):
         self._model_key = None
         self._loaded: Loaded | None = None
+        self._warmed: set = set()  # (model key, prompt length)
 
     def load(self, cfg: DictConfig) -> Loaded:
         key = OmegaConf.to_yaml(cfg.model) + cfg.device
@@ -132,6 +133,14 @@ class Session:
             self._loaded = Loaded(model, tok, device, {}, processor)
             self._model_key = key
         return self._loaded
+
+    def warm_once(self, loaded: Loaded, sample) -> None:
+        """`warm_up` on CUDA once per loaded model and prompt length (calibration's searches,
+        whose seconds then hold no compilation)."""
+        key = (self._model_key, len(input_ids(loaded, sample)[0]))
+        if loaded.device.type == "cuda" and key not in self._warmed:
+            warm_up(loaded, sample)
+            self._warmed.add(key)
 
     def samples(self, cfg: DictConfig, loaded: Loaded, task: str, length: int):
         bench = benchmarks.get(cfg.benchmark.name)
@@ -206,3 +215,16 @@ def model_inputs(loaded: Loaded, sample) -> dict:
         except ValueError as e:
             raise UserError(f"{sample.task} sample {sample.index}: {e}") from None
     return {k: v.to(loaded.device) for k, v in inputs.items()}
+
+
+@torch.inference_mode()
+def warm_up(loaded: Loaded, sample) -> None:
+    """One untimed prefill of a prompt of this length and one decode step, so that kernel
+    compilation and autotuning (and the compiled layers' graphs) are not timed."""
+    from rbs_bench.models.vision import reset_position_state
+
+    reset_position_state(loaded.model)
+    out = loaded.model(**model_inputs(loaded, sample), use_cache=True, logits_to_keep=1)
+    token = out.logits[:, -1].argmax(-1, keepdim=True)
+    loaded.model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+    torch.cuda.synchronize(loaded.device)

@@ -301,3 +301,33 @@ def test_calibration_shows_step_knob_and_density(monkeypatch, capsys):
     assert "calibrate quest @ 0.5000" in err
     assert f"{entry['steps']}/{budget.MAX_STEPS}" in err
     assert "ratio=" in err and "density=" in err
+
+
+def test_a_calibration_warms_up_once_per_model_and_length_before_its_clock(tmp_path, monkeypatch):
+    """On CUDA the compiled layers' first prefill (graph compilation, autotuning) runs untimed
+    before the first search of a prompt length, and not again for the next method."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from rbs_bench import session as session_mod
+
+    warmed = []
+    monkeypatch.setattr(session_mod, "warm_up", lambda loaded, sample: warmed.append(sample))
+    class Tok:
+        def __call__(self, text, **kw):
+            return SimpleNamespace(input_ids=torch.zeros(1, len(text), dtype=torch.long))
+
+    s = Session()
+    s._model_key = "m"
+    loaded = session_mod.Loaded(None, Tok(), torch.device("cuda"), {})
+    short, long = SimpleNamespace(prompt="ab"), SimpleNamespace(prompt="abcd")
+    for sample in (short, short, long, long):
+        s.warm_once(loaded, sample)
+    assert warmed == [short, long]
+    s._model_key = "another model"
+    s.warm_once(loaded, short)
+    assert warmed == [short, long, short]
+    cpu = session_mod.Loaded(None, Tok(), torch.device("cpu"), {})
+    s.warm_once(cpu, SimpleNamespace(prompt="abcdef"))  # a CPU compiles nothing by default
+    assert len(warmed) == 3
