@@ -172,9 +172,10 @@ def test_a_csv_with_two_settings_gets_one_set_of_tables_each(results, tmp_path):
     assert "8 of 48 layers" in eight_md and "4 of 48 layers" not in eight_md
 
 
-def test_the_latest_way_a_model_ran_keeps_the_plain_table_name(results, tmp_path):
-    """Eager rows with 16K feed-forward chunks, then compiled unchunked rows of the same model:
-    the compiled ones, run later, are the plain tables; the eager ones get their way named."""
+def test_the_latest_full_way_a_model_ran_keeps_the_plain_table_name(results, tmp_path):
+    """Eager rows with 16K feed-forward chunks, then compiled unchunked rows of the same model,
+    then two compiled rows with 32K chunks: the compiled unchunked ones, the latest of the two
+    full runs, are the plain tables; the others get their way named."""
     eager = fake_rows("cpu", ns=(1024,), batches=(1,)).assign(
         compile=False, ffn_chunk_tokens=16384, run="2026-01-01T00:00:00"
     )
@@ -182,10 +183,14 @@ def test_the_latest_way_a_model_ran_keeps_the_plain_table_name(results, tmp_path
         compile=True, ffn_chunk_tokens=0, run="2026-02-01T00:00:00", gemm_ms_per_layer=0.05
     )
     fast["ttft_ms"] = eager["ttft_ms"] / 2
-    ttft.derive(pd.concat([fast, eager])).to_csv(results / "speed" / "ttft_cpu.csv", index=False)
+    chunked = fast[fast["method"].isin(["dense", "rbs"])].assign(
+        ffn_chunk_tokens=32768, run="2026-03-01T00:00:00"
+    )
+    rows = pd.concat([fast, eager, chunked])
+    ttft.derive(rows).to_csv(results / "speed" / "ttft_cpu.csv", index=False)
     out = tmp_path / "tables"
     names = {p.name for p in timing.build(results, out)}
-    assert {"speed_cpu.md", "speed_cpu_eager_ffn16k.md"} <= names
+    assert {"speed_cpu.md", "speed_cpu_eager_ffn16k.md", "speed_cpu_compiled_ffn32k.md"} <= names
     plain = (out / "speed_cpu.md").read_text()
     assert "regions outside attention compiled" in plain and "unchunked" in plain
     dense = fast[fast["method"] == "dense"].iloc[0]

@@ -644,8 +644,9 @@ def setting_groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     """The CSV split by setting: (model, layers, dtype), how the layers ran (compiled or eager,
     the feed-forward token chunk) and the sparse rows' target density, each with its dense rows;
     a file-name suffix for each ("" when the CSV holds a single setting). Of several ways one
-    model ran, the latest (by its rows' run time) keeps the plain name and the older ones get
-    theirs added (`_eager_ffn16k`), so that a table's name keeps pointing at the current rows."""
+    model ran, the one with the most methods (then the latest, by its rows' run time) keeps the
+    plain name and the others get theirs added (`_eager_ffn16k`), so that a table's name keeps
+    pointing at the full current run."""
     df = df.assign(
         _compiled=df["compile"].map(as_bool) if "compile" in df else False,
         _chunk=df["ffn_chunk_tokens"].fillna(0).astype(int) if "ffn_chunk_tokens" in df else 0,
@@ -654,7 +655,10 @@ def setting_groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     for (model, layers, dtype), g in df.groupby(["model", "layers", "dtype"], sort=False):
         paths = sorted(
             g.groupby(["_compiled", "_chunk"], sort=False),
-            key=lambda kv: str(kv[1]["run"].max()) if "run" in kv[1] else "",
+            key=lambda kv: (
+                kv[1]["method"].nunique(),
+                str(kv[1]["run"].max()) if "run" in kv[1] else "",
+            ),
             reverse=True,
         )
         for i, ((compiled, chunk), gp) in enumerate(paths):
