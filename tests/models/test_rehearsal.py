@@ -142,6 +142,15 @@ def test_memory_estimate_counts_the_cache_and_chunks_the_feedforward():
     assert fp8.kv_cache == e.kv_cache and fp8.activations == e.activations
     assert memory.estimate_model("qwen3_30b_a3b_fp8", 131072).weights == fp8.weights
     assert memory.estimate_model("qwen3_30b_a3b_random", 131072).weights == e.weights
+    # compiled layers: each top-k expert's gathered input (2048) and gate/up (2 x 768) in bf16 and
+    # 128 float32 router logits per token, beside the residual stream's three copies
+    lean = memory.estimate(config, 131072, ffn_chunk_tokens=None, compiled=True)
+    per_token = 8 * 2 * (2048 + 2 * 768) + 128 * 4 + 3 * 2048 * 2
+    assert lean.activations == 131072 * per_token < unchunked.activations
+    # compiled with 32K chunks, the attention sublayer's working set is the larger: the residual
+    # stream and its normed copy, queries and keys with RoPE's temporaries, the values
+    chunked = memory.estimate(config, 131072, ffn_chunk_tokens=32768, compiled=True)
+    assert chunked.activations == 131072 * 2 * (2 * 2048 + 4 * 4096 + 5 * 512)
 
 
 def test_vl_model_counts_its_vision_tower_and_video_context():
@@ -163,7 +172,9 @@ def test_vl_model_counts_its_vision_tower_and_video_context():
     assert memory.video_tokens() == t * h * w // 4 and t == 16
     assert memory.videomme_context() == memory.video_tokens() + memory.VIDEOMME_TEXT_TOKENS
     assert memory.default_contexts("qwen3_vl_30b_a3b_thinking_fp8") == [memory.videomme_context()]
-    e = memory.estimate_model("qwen3_vl_30b_a3b_thinking_fp8", memory.videomme_context())
+    e = memory.estimate_model(
+        "qwen3_vl_30b_a3b_thinking_fp8", memory.videomme_context(), compiled=False
+    )
     text = memory.estimate(
         config.get_text_config(), memory.videomme_context(), ffn_chunk_tokens=16384
     )

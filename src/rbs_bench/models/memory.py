@@ -19,7 +19,11 @@ is held: the harness keeps the last position's logits only). The working set is 
 - feed-forward: per token of one chunk (`model.ffn_chunk_tokens`), for a mixture of experts the
   gathered inputs, gate/up projections, activation temporaries, down projection and weighted
   output of each of its top-k experts; for a dense MLP the gate, up, activation, product and down
-  projection; plus the residual stream of every token.
+  projection; plus the residual stream of every token. With the layers compiled
+  (`rbs_bench.models.fastpath`, `model.compile`), a mixture of experts holds less: its peak is
+  the first grouped GEMM, with each top-k expert's gathered input and its gate/up projection
+  (the gated activation, the down projection and the weighted sum follow after the inputs are
+  freed; one kernel sums the experts' outputs), plus the router's float32 logits.
 
 The terms are counted from transformers' Qwen3 / Qwen3-MoE code paths; `results/scale/` sets the
 estimate beside the peak each run measured.
@@ -160,12 +164,14 @@ def estimate(
     ffn_chunk_tokens: int | None = None,
     fp8: bool = False,
     visual_tokens: int = 0,
+    compiled: bool = False,
 ) -> Estimate:
     """The peak memory of a prefill of `batch` prompts of `context` tokens that fills the cache:
     weights of `weight_bytes_per_param` per parameter (2: bf16) or, with `fp8`, in the layout of
     Qwen's FP8 checkpoints (`weight_bytes`); activations and cache in bf16. `visual_tokens` of the
     context come from a vision tower, which runs before the language model: its working set
-    counts when it is the larger one."""
+    counts when it is the larger one. `compiled`: the layers' regions outside attention
+    compiled (a mixture of experts' leaner working set)."""
     t = _text(config)
     h, layers = t.hidden_size, t.num_hidden_layers
     d = _get(t, "head_dim") or h // t.num_attention_heads
@@ -180,7 +186,10 @@ def estimate(
     experts = _get(t, "num_experts", 0) or 0
     if experts:
         k, inter = t.num_experts_per_tok, t.moe_intermediate_size
-        per_token = k * b * (3 * h + 4 * inter)  # gathered, gate/up, activation, down, weighted
+        if compiled:  # gathered inputs and gate/up at the first grouped GEMM; fp32 router logits
+            per_token = k * b * (h + 2 * inter) + experts * 4
+        else:  # gathered, gate/up, activation, down, weighted
+            per_token = k * b * (3 * h + 4 * inter)
     else:
         per_token = b * (4 * t.intermediate_size + h)  # gate, up, act, product, down
     feedforward = chunk * per_token + tokens * h * 3 * b  # + residual, normed input, output
@@ -243,10 +252,12 @@ def estimate_model(
     ffn_chunk_tokens: int | None = FFN_CHUNK_TOKENS,
     weight_bytes_per_param: int | None = None,
     visual_tokens: int | None = None,
+    compiled: bool = True,
 ) -> Estimate:
     """`estimate` for a model name: FP8 weights for the `*_fp8` models (unless
     `weight_bytes_per_param` is given), and for a VL model `visual_tokens` of the context from its
-    vision tower (default: a Video-MME sample's, at most `context`)."""
+    vision tower (default: a Video-MME sample's, at most `context`); `compiled` (default, as
+    runs on a GPU are): the layers' regions outside attention compiled."""
     config = model_config(name, layers)
     fp8 = is_fp8(name) and weight_bytes_per_param is None
     if _vision(config) is None:
@@ -254,8 +265,9 @@ def estimate_model(
     else:
         visual = min(video_tokens() if visual_tokens is None else visual_tokens, context)
     return estimate(
-        config, context, batch, weight_bytes_per_param or 2, ffn_chunk_tokens, fp8, visual
-    )
+        config, context, batch, weight_bytes_per_param or 2, ffn_chunk_tokens, fp8, visual,
+        compiled,
+    )  # fmt: skip
 
 
 def per_gpu(e: Estimate, gpus: int) -> float:
@@ -270,7 +282,16 @@ def default_contexts(name: str) -> list[int]:
     return [videomme_context()] if vl else [32768, 65536, 131072]
 
 
-def table(names, contexts, batch: int, gpus: int, gpu_gib: float, chunk: int | None, bytes_=None):
+def table(
+    names,
+    contexts,
+    batch: int,
+    gpus: int,
+    gpu_gib: float,
+    chunk: int | None,
+    bytes_=None,
+    compiled: bool = True,
+):
     """Markdown rows: per model and context, each term in GiB and whether it fits the GPUs."""
     lines = [
         "| model | context | batch | weights | KV cache | one layer's activations | total | "
@@ -280,8 +301,9 @@ def table(names, contexts, batch: int, gpus: int, gpu_gib: float, chunk: int | N
     for name in names:
         for n in contexts or default_contexts(name):
             est = estimate_model(
-                name, n, batch, ffn_chunk_tokens=chunk, weight_bytes_per_param=bytes_
-            )
+                name, n, batch, ffn_chunk_tokens=chunk, weight_bytes_per_param=bytes_,
+                compiled=compiled,
+            )  # fmt: skip
             e = est.gib()
             busiest = per_gpu(est, gpus) / GiB
             fits = "yes" if busiest <= gpu_gib else f"no ({busiest:.0f} GiB per GPU)"
@@ -307,6 +329,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="bytes per parameter for every weight; default: the model's own (FP8 for *_fp8)",
     )
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="layers run eagerly (model.compile=false; a CPU's default), not compiled",
+    )
     args = ap.parse_args(argv)
     try:
         print(
@@ -318,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.gpu_gib,
                 args.ffn_chunk_tokens or None,
                 args.weight_bytes,
+                compiled=not args.eager,
             )
         )
     except ValueError as e:
