@@ -98,8 +98,9 @@ def test_scale_report_from_records(tmp_path):
     assert path.name == "nvidia_h200.md" and text.startswith("# Paper scale on NVIDIA H200")
     rbs_run = next(line for line in text.splitlines() if "| RBS-Attention | d5 |" in line)
     cells = [c.strip() for c in rbs_run.split("|")]
-    assert cells[7:10] == ["5.00", "2.00", "75.2"]  # prefill s, decode s, peak GiB
-    assert cells[11] == "0.0600 / 0.0400 / 0.0960"  # mean / p50 / p90 over layers x heads
+    assert cells[7] == "eager, FFN 16K chunks"  # records from before either was recorded
+    assert cells[8:11] == ["5.00", "2.00", "75.2"]  # prefill s, decode s, peak GiB
+    assert cells[12] == "0.0600 / 0.0400 / 0.0960"  # mean / p50 / p90 over layers x heads
     cal_row = next(line for line in text.splitlines() if "| 360.0 |" in line)
     # 360 s on one GPU = 0.1 GPU-hours for 2 prompts -> 2.5 for 50; the paper's 0.885 beside
     assert "| 0.1000 | 2.500 | 3 | 0.885 |" in cal_row
@@ -143,17 +144,20 @@ def test_scale_report_names_gpu_count_and_visual_share(tmp_path):
         if line.startswith("| ruler_budget |") or line.startswith("| videomme |")
     }
     old = scale.OLD_FFN_CHUNK  # these records name no feed-forward chunk: they ran 16384
-    two = memory.estimate_model("qwen3_32b", 131072, ffn_chunk_tokens=old)
+    # ... nor whether their layers were compiled: eager
+    two = memory.estimate_model("qwen3_32b", 131072, ffn_chunk_tokens=old, compiled=False)
     two = memory.per_gpu(two, 2) / memory.GiB
-    assert rows["qwen3_32b"][12] == f"{two:.1f}" and rows["qwen3_32b"][15] == "2"
-    fp8 = memory.estimate_model("qwen3_30b_a3b_fp8", 131072, ffn_chunk_tokens=old).total
-    fp8 /= memory.GiB
-    assert rows["qwen3_30b_a3b_fp8"][12] == f"{fp8:.1f}" and rows["qwen3_30b_a3b_fp8"][15] == "1"
+    assert rows["qwen3_32b"][13] == f"{two:.1f}" and rows["qwen3_32b"][16] == "2"
+    fp8 = memory.estimate_model("qwen3_30b_a3b_fp8", 131072, ffn_chunk_tokens=old, compiled=False)
+    fp8 = fp8.total / memory.GiB
+    assert rows["qwen3_30b_a3b_fp8"][13] == f"{fp8:.1f}" and rows["qwen3_30b_a3b_fp8"][16] == "1"
     vl = rows["qwen3_vl_30b_a3b_thinking_fp8"]
-    est = memory.estimate_model("qwen3_vl_30b_a3b_thinking_fp8", 12016, visual_tokens=10800)
-    assert vl[12] == f"{est.total / memory.GiB:.1f}"  # at the longest request, not the cap
-    assert vl[16] == "90.0" and rows["qwen3_30b_a3b_random"][15] == "1"
-    assert rows["qwen3_30b_a3b_random"][16] == "–"
+    est = memory.estimate_model(
+        "qwen3_vl_30b_a3b_thinking_fp8", 12016, visual_tokens=10800, compiled=False
+    )
+    assert vl[13] == f"{est.total / memory.GiB:.1f}"  # at the longest request, not the cap
+    assert vl[17] == "90.0" and rows["qwen3_30b_a3b_random"][16] == "1"
+    assert rows["qwen3_30b_a3b_random"][17] == "–"
 
 
 def test_checkpoint_ttft_rows_at_full_depth_are_reported(tmp_path):
@@ -180,5 +184,7 @@ def test_checkpoint_ttft_rows_at_full_depth_are_reported(tmp_path):
         line for line in path.read_text().splitlines() if line.startswith("| qwen3_30b_a3b_fp8")
     ]
     assert len(ttft) == 1 and "| 48 |" in ttft[0]
-    est = memory.estimate_model("qwen3_30b_a3b_fp8", 131072, ffn_chunk_tokens=32768)
+    est = memory.estimate_model(
+        "qwen3_30b_a3b_fp8", 131072, ffn_chunk_tokens=32768, compiled=False
+    )  # a row without the compile column ran eagerly
     assert f"| {est.total / memory.GiB:.1f} |" in ttft[0]

@@ -73,17 +73,19 @@ def _estimate_gib(
     gpus: int = 1,
     chunk: int | None = None,
     visual_tokens: int | None = None,
+    compiled: bool = False,
 ):
     """The memory estimate in GiB (on the busiest GPU when the layers are spread over `gpus`), or
     None for a model without a shipped architecture. `chunk`: the run's feed-forward token chunk
-    (records and rows from before it was recorded ran 16384)."""
+    (records and rows from before it was recorded ran 16384); `compiled`: its layers were."""
     from rbs_bench.models import memory
 
     chunk = OLD_FFN_CHUNK if chunk is None or pd.isna(chunk) else int(chunk) or None
     try:
         e = memory.estimate_model(
-            model, context, batch, layers, ffn_chunk_tokens=chunk, visual_tokens=visual_tokens
-        )
+            model, context, batch, layers, ffn_chunk_tokens=chunk, visual_tokens=visual_tokens,
+            compiled=compiled,
+        )  # fmt: skip
     except ValueError:  # the embedded tiny model, or a hub model without a shipped config
         return None
     return (e.total if gpus <= 1 else memory.per_gpu(e, gpus)) / memory.GiB
@@ -149,7 +151,11 @@ def run_cells(results: Path) -> pd.DataFrame:
                     "density_p90": float(np.nanpercentile(flat, 90)),
                     "recall": _mean(recs, "recall"),
                     "recall_s": _mean(recs, "recall_s"),
-                    "ffn_chunk_tokens": recs[0].get("ffn_chunk_tokens"),
+                    # null: unchunked; absent (records from before the field): 16384
+                    "ffn_chunk_tokens": (recs[0]["ffn_chunk_tokens"] or 0)
+                    if "ffn_chunk_tokens" in recs[0]
+                    else None,
+                    "compile": bool(recs[0].get("compiled")),  # absent: eager layers
                     # records name their GPU count (older ones only when above one)
                     "gpus": max(int(r.get("gpus") or 1) for r in recs),
                     # the longest request: its prompt and answer (a video prompt's length is
@@ -182,10 +188,10 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
     out = [
         "## Runs",
         "",
-        "| experiment | model | method | budget | context | n | prefill s | decode s | "
-        "peak alloc GiB | peak reserved GiB | density mean / p50 / p90 | estimate GiB | "
-        "alloc - estimate GiB | recall % (pass s) | GPUs | visual tokens % |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| experiment | model | method | budget | context | n | layers run | prefill s | "
+        "decode s | peak alloc GiB | peak reserved GiB | density mean / p50 / p90 | "
+        "estimate GiB | alloc - estimate GiB | recall % (pass s) | GPUs | visual tokens % |",
+        "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     cells = cells.sort_values(["experiment", "model", "context", "method", "budget"])
     for _, c in cells.iterrows():
@@ -195,12 +201,14 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
         if tokens:
             chunk, visual = c.get("ffn_chunk_tokens"), int(c.get("visual_tokens") or 0)
             est = _estimate_gib(
-                c["model"], int(tokens), gpus=gpus, chunk=chunk, visual_tokens=visual
-            )
+                c["model"], int(tokens), gpus=gpus, chunk=chunk, visual_tokens=visual,
+                compiled=bool(c.get("compile")),
+            )  # fmt: skip
         share = c.get("visual_share", math.nan)
         out.append(
             f"| {c['experiment']} | {c['model']} | {_display(c['method'])} | {c['budget']} | "
-            f"{c['context']:,} | {c['n']} | {c['prefill_s']:.2f} | {c['decode_s']:.2f} | "
+            f"{c['context']:,} | {c['n']} | {_path(c)} | {c['prefill_s']:.2f} | "
+            f"{c['decode_s']:.2f} | "
             f"{_gib(c['peak_allocated_mib'])} | {_gib(c['peak_reserved_mib'])} | "
             f"{c['density_mean']:.4f} / {c['density_p50']:.4f} / {c['density_p90']:.4f} | "
             f"{_num(est, '.1f')} | {_gap(c['peak_allocated_mib'], est)} | {_recall(c)} | "
@@ -342,6 +350,7 @@ def _ttft_section(df: pd.DataFrame, csv: Path) -> list[str]:
             str(r["model"]), int(r["n"]), int(r["batch"]), int(r["layers"]),
             gpus=1 if gpus is None or pd.isna(gpus) else max(1, int(gpus)),
             chunk=r.get("ffn_chunk_tokens"),
+            compiled=str(r.get("compile")).strip().lower() == "true",
         )  # fmt: skip
         out.append(
             f"| {r['model']} | {r['layers']} | {r['batch']} | {int(r['n']):,} | {_path(r)} | "
@@ -369,9 +378,12 @@ def _ttft_section(df: pd.DataFrame, csv: Path) -> list[str]:
 
 
 def _path(r) -> str:
-    """How a TTFT row ran its layers: compiled or eager, and its feed-forward token chunk."""
+    """How a TTFT row or a run ran its layers: compiled or eager, and its feed-forward token
+    chunk (a run recorded before the chunk was: 16K)."""
     chunk = r.get("ffn_chunk_tokens")
-    chunk = 0 if chunk is None or pd.isna(chunk) else int(chunk)
+    if chunk is None or pd.isna(chunk):
+        chunk = OLD_FFN_CHUNK if "prefill_s" in r else 0
+    chunk = int(chunk)
     how = "compiled" if str(r.get("compile")).strip().lower() == "true" else "eager"
     return f"{how}, " + (f"FFN {chunk // 1024}K chunks" if chunk else "FFN unchunked")
 
