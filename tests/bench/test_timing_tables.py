@@ -200,6 +200,26 @@ def test_the_latest_full_way_a_model_ran_keeps_the_plain_table_name(results, tmp
     assert "layers eager, feed-forward blocks over 16K-token chunks" in old
 
 
+def test_tables_whose_rows_moved_to_other_names_are_removed(results, tmp_path, capsys):
+    """A second model's rows make the first model's tables model-named: the plain-named ones of
+    the earlier build go, and files that are not this CSV's tables stay."""
+    four = fake_rows("cpu", ns=(1024,), batches=(1,))
+    csv = results / "speed" / "ttft_cpu.csv"
+    four.to_csv(csv, index=False)
+    out = tmp_path / "tables"
+    timing.build(results, out)
+    assert (out / "speed_cpu.md").exists() and (out / "speed_cpu.png").exists()
+    (out / "speed_cpu_notes.md").write_text("# my notes\n")  # not generated: kept
+    eight = four.assign(layers=8, model_desc="8 of 48 layers")
+    pd.concat([four, eight]).to_csv(csv, index=False)
+    names = {p.name for p in timing.build(results, out)}
+    assert "speed_cpu_qwen3_30b_a3b_8l_bfloat16.md" in names
+    left = {p.name for p in out.iterdir()}
+    assert not {"speed_cpu.md", "speed_cpu.tex", "speed_cpu.png", "memory_cpu.md"} & left
+    assert "speed_cpu_notes.md" in left and names <= left
+    assert "removed" in capsys.readouterr().out
+
+
 def test_a_model_over_two_gpus_is_said_to_be_so():
     df = fake_rows(H100, ns=(131072,), batches=(1,))
     df["model"], df["layers"], df["gpus"] = "qwen3_32b", 64, 2

@@ -729,11 +729,35 @@ def _write_experiment(experiment, df, csv, tag, suffix, pv, out_dir: Path) -> li
 
 
 def build(results_dir: Path, out_dir: Path) -> list[Path]:
-    """Every timing table and figure from <results_dir>/speed/ttft_*.csv, into out_dir."""
+    """Every timing table and figure from <results_dir>/speed/ttft_*.csv, into out_dir; tables
+    an earlier build made from the same CSV under a name this one no longer writes (its rows
+    now grouped otherwise) are removed, so that none is left showing outdated rows."""
     written = []
     for csv in sorted(paths.speed_dir(results_dir).glob("ttft_*.csv")):
-        written += build_tables(csv, results_dir, out_dir)
+        mine = build_tables(csv, results_dir, out_dir)
+        _remove_stale(csv, Path(out_dir), mine)
+        written += mine
     return written
+
+
+def _remove_stale(csv: Path, out_dir: Path, written: list[Path]) -> None:
+    """Remove <experiment>_<tag>*.md/.tex (and the .png beside a .md) that name `csv` as
+    their source in their first line and that this build did not write."""
+    keep = {Path(p).resolve() for p in written}
+    tag = _tag(csv)
+    for experiment in EXPERIMENTS:
+        for path in sorted(out_dir.glob(f"{experiment}_{tag}*")):
+            if path.suffix not in (".md", ".tex") or path.resolve() in keep:
+                continue
+            with open(path, encoding="utf-8") as f:
+                first = f.readline() + f.readline() + f.readline()
+            if HEAD.split("{", 1)[0] not in first or f"`{csv}`" not in first:
+                continue  # another CSV's table, or not one of ours
+            path.unlink()
+            png = path.with_suffix(".png")
+            if path.suffix == ".md" and png.exists() and png.resolve() not in keep:
+                png.unlink()
+            print(f"removed {path} (its rows are now in another table)")
 
 
 def main(argv: list[str] | None = None) -> int:
