@@ -64,6 +64,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from rbs_bench.kernels.block_mass import causal_softmax_chunks
@@ -319,13 +320,31 @@ class MInference:
 
     def select(self, q: Tensor, k: Tensor, scale: float | None = None) -> VerticalSlashPattern:
         """q [B, Hq, N, D], k [B, Hkv, N, D] -> the per-query-head pattern."""
+        fast, vertical, slash = self._estimate(q, k, scale)
+        return self._pattern(vertical, slash, fast)
+
+    def density_curve(self, q: Tensor, k: Tensor, scale, values) -> np.ndarray:
+        """Density [V] at each ratio in `values`, what `select` at that ratio measures, from one
+        estimate (it does not depend on the ratio; only the kept counts do): calibration scores
+        a layer at a dozen ratios per step."""
+        fast, vertical, slash = self._estimate(q, k, scale)
+        return np.asarray(
+            [self.with_knob(r)._pattern(vertical, slash, fast).density() for r in values]
+        )
+
+    def _estimate(self, q: Tensor, k: Tensor, scale) -> tuple[bool, Tensor, Tensor]:
+        """(Triton path?, vertical, slash): fp32 [B, Hq, N] scores, the forced ones infinite."""
         check_inputs(q, k)
-        b, hq, n, _ = q.shape
         fast = self._fast(q)
         estimate = vertical_slash_estimate if fast else vertical_slash_estimate_ref
-        vertical, slash = estimate(q, k, self.last_q, scale)  # fp32 [B, Hq, N]
+        vertical, slash = estimate(q, k, self.last_q, scale)
         vertical[..., : self.sink_tokens] = float("inf")
         slash[..., : self.local_diagonals] = float("inf")
+        return fast, vertical, slash
+
+    def _pattern(self, vertical: Tensor, slash: Tensor, fast: bool) -> VerticalSlashPattern:
+        """The top columns and diagonals of the scores at this ratio."""
+        b, hq, n = vertical.shape
         nv, ns = self.sizes(n)
         if fast:
             cols = top_k_ids(vertical.view(b * hq, n), nv).view(b, hq, nv)

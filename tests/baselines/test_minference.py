@@ -142,6 +142,26 @@ def test_density_monotone_in_ratio():
     assert small <= large  # nested: ties broken by position
 
 
+def test_density_curve_is_each_ratios_own_selection_from_one_estimate(monkeypatch):
+    """Calibration's curve: the density `select` measures at every ratio, the estimate made once."""
+    from rbs_bench.baselines import minference
+
+    q, k = structured_qk(1, 4, 2, 3000, 16, seed=3, kind="sinks")
+    base = MInference(vertical_size=200, slash_size=400, impl="torch")
+    ratios = [0.01, 0.05, 0.2, 0.5, 1.0, 4.0]
+    want = [base.with_knob(r).select(q, k, scale=0.3).density() for r in ratios]
+    calls = []
+    real = minference.vertical_slash_estimate_ref
+    monkeypatch.setattr(
+        minference,
+        "vertical_slash_estimate_ref",
+        lambda *a: calls.append(1) or real(*a),
+    )
+    got = base.density_curve(q, k, 0.3, ratios)
+    assert got.tolist() == want and len(calls) == 1
+    assert got[0] < got[-1]
+
+
 def test_gqa_uses_own_kv_head():
     q, k = structured_qk(1, 4, 2, 600, 16, seed=5, kind="sinks")
     sel = MInference(vertical_size=50, slash_size=80)

@@ -425,6 +425,20 @@ def test_triton_attention_matches_dense(case):
 
 
 @kernel_test
+def test_triton_minference_density_curve_is_each_ratios_selection():
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 300, 16, generator=gen).to(DEVICE)
+    k = torch.randn(1, 1, 300, 16, generator=gen).to(DEVICE)
+    sel = methods.build(
+        "minference", impl="triton", vertical_size=20, slash_size=40, sink_tokens=4,
+        local_diagonals=8,
+    )  # fmt: skip
+    ratios = [0.1, 0.5, 1.0, 2.0, 5.0]
+    want = [sel.with_knob(r).select(q, k).density() for r in ratios]
+    assert sel.density_curve(q, k, None, ratios).tolist() == want
+
+
+@kernel_test
 def test_triton_minference_impls_agree():
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(1, 2, 200, 16, generator=gen).to(DEVICE)
