@@ -202,7 +202,7 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
             chunk, visual = c.get("ffn_chunk_tokens"), int(c.get("visual_tokens") or 0)
             est = _estimate_gib(
                 c["model"], int(tokens), gpus=gpus, chunk=chunk, visual_tokens=visual,
-                compiled=bool(c.get("compile")),
+                compiled=_compiled(c),
             )  # fmt: skip
         share = c.get("visual_share", math.nan)
         out.append(
@@ -350,7 +350,7 @@ def _ttft_section(df: pd.DataFrame, csv: Path) -> list[str]:
             str(r["model"]), int(r["n"]), int(r["batch"]), int(r["layers"]),
             gpus=1 if gpus is None or pd.isna(gpus) else max(1, int(gpus)),
             chunk=r.get("ffn_chunk_tokens"),
-            compiled=str(r.get("compile")).strip().lower() == "true",
+            compiled=_compiled(r),
         )  # fmt: skip
         out.append(
             f"| {r['model']} | {r['layers']} | {r['batch']} | {int(r['n']):,} | {_path(r)} | "
@@ -377,14 +377,19 @@ def _ttft_section(df: pd.DataFrame, csv: Path) -> list[str]:
     return out
 
 
+def _compiled(r) -> bool:
+    from rbs_bench.tables.timing import layers_run
+
+    return layers_run(r)[0]
+
+
 def _path(r) -> str:
     """How a TTFT row or a run ran its layers: compiled or eager, and its feed-forward token
     chunk (a run recorded before the chunk was: 16K)."""
-    chunk = r.get("ffn_chunk_tokens")
-    if chunk is None or pd.isna(chunk):
-        chunk = OLD_FFN_CHUNK if "prefill_s" in r else 0
-    chunk = int(chunk)
-    how = "compiled" if str(r.get("compile")).strip().lower() == "true" else "eager"
+    from rbs_bench.tables.timing import layers_run
+
+    compiled, chunk = layers_run(r, OLD_FFN_CHUNK if "prefill_s" in r else 0)
+    how = "compiled" if compiled else "eager"
     return f"{how}, " + (f"FFN {chunk // 1024}K chunks" if chunk else "FFN unchunked")
 
 

@@ -61,6 +61,15 @@ def as_bool(value) -> bool:
     return str(value).strip().lower() == "true"
 
 
+def layers_run(row, missing_chunk: int = 0) -> tuple[bool, int]:
+    """(compiled, feed-forward token chunk, 0 for unchunked) of a TTFT row or a run: `compile`
+    as a CSV cell or a bool (absent: eager), `ffn_chunk_tokens` (absent or empty:
+    `missing_chunk`)."""
+    chunk = row.get("ffn_chunk_tokens")
+    chunk = missing_chunk if chunk is None or pd.isna(chunk) else int(chunk)
+    return as_bool(row.get("compile")), chunk
+
+
 def load_ttft(csv: Path) -> pd.DataFrame:
     df = pd.read_csv(csv)
     if df.empty:
@@ -150,9 +159,7 @@ def _setting(df: pd.DataFrame) -> list[str]:
 
 def _layers_run(r) -> str:
     """How the row ran its layers outside attention."""
-    compiled = as_bool(r.get("compile"))
-    chunk = r.get("ffn_chunk_tokens")
-    chunk = 0 if chunk is None or pd.isna(chunk) else int(chunk)
+    compiled, chunk = layers_run(r)
     how = (
         "regions outside attention compiled (rbs_bench.models.fastpath)"
         if compiled
@@ -647,10 +654,8 @@ def setting_groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     model ran, the one with the most methods (then the latest, by its rows' run time) keeps the
     plain name and the others get theirs added (`_eager_ffn16k`), so that a table's name keeps
     pointing at the full current run."""
-    df = df.assign(
-        _compiled=df["compile"].map(as_bool) if "compile" in df else False,
-        _chunk=df["ffn_chunk_tokens"].fillna(0).astype(int) if "ffn_chunk_tokens" in df else 0,
-    )
+    how = [layers_run(r) for _, r in df.iterrows()]
+    df = df.assign(_compiled=[c for c, _ in how], _chunk=[k for _, k in how])
     groups = []
     for (model, layers, dtype), g in df.groupby(["model", "layers", "dtype"], sort=False):
         paths = sorted(
