@@ -137,8 +137,10 @@ class Session:
     def warm_once(self, loaded: Loaded, sample) -> None:
         """`warm_up` on CUDA once per loaded model and prompt length (calibration's searches,
         whose seconds then hold no compilation)."""
+        if loaded.device.type != "cuda":
+            return
         key = (self._model_key, len(input_ids(loaded, sample)[0]))
-        if loaded.device.type == "cuda" and key not in self._warmed:
+        if key not in self._warmed:
             warm_up(loaded, sample)
             self._warmed.add(key)
 
