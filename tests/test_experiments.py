@@ -137,6 +137,44 @@ def test_anchor_budgets_are_named_after_their_target():
     assert sorted(names.values()) == [32, 32, 64, 64, 128, 128]  # one name per block size
 
 
+LONG = [e for e in config.group_options("experiment") if e.endswith("_16k")]
+
+
+def test_every_accuracy_experiment_has_its_long_setting():
+    assert sorted(LONG) == sorted(
+        f"{e}_16k" for e in ("ruler_budget", "strict_density", "selector_ablation", "block_size")
+    ) + ["thresholds_16k"]
+
+
+@pytest.mark.parametrize("experiment", LONG)
+def test_long_settings_run_the_trained_length_in_bf16_at_n_200_with_dense(experiment):
+    base = experiment.removesuffix("_16k")
+    text = (ROOT / "conf" / "experiment" / f"{experiment}.yaml").read_text()
+    assert all(label in text for label in PAPER_TABLES[base])  # the paper table it regenerates
+    assert specs.spec_for(experiment) is specs.spec_for(base)
+    params, grids, cells = _expand(experiment, every=True)
+    assert len(grids) == math.prod(len(str(v).split(",")) for v in params.values())
+    over = [f"+experiment={experiment}"]
+    refs = config.reference_cells(cells[0], over)
+    with initialize_config_module(config_module=config.CONFIG_MODULE, version_base="1.3"):
+        (dense,) = [compose(config_name="config", overrides=over + r) for r in refs]
+    assert dense.method.name == "dense" and cell_dir(dense, experiment).name == "default"
+    dirs = [cell_dir(c, experiment) for c in [*cells, dense]]
+    assert len(set(dirs)) == len(dirs)
+    for c in [*cells, dense]:
+        config.validate(c)
+        OmegaConf.resolve(c)
+        assert c.model.name == "tiny" and c.model.dtype == "bfloat16"
+        assert list(c.benchmark.context_lengths) == [16384]
+        assert len(c.benchmark.tasks) * c.benchmark.num_samples >= 200  # per reported accuracy
+        # the diagonal block alone is forced: 1.55% of the causal pairs at 16K
+        assert dict(c.forced) == dict(
+            sink_blocks=0, window_blocks=1, last_q_blocks=0, min_budget=128
+        )
+        target = c.budget.target
+        assert target is None or target in (0.05, 0.1, 0.0534, 0.1103)  # the paper's densities
+
+
 def test_calibration_cost_keeps_its_calibrations_apart(tmp_path):
     (cell, *_) = _cells("calibration_cost", f"results_dir={tmp_path}")
     assert Path(cell.calibration.dir) == tmp_path / "runs" / "calibration_cost"

@@ -591,3 +591,97 @@ def test_tables_dagger_the_differences_the_paired_test_resolves(tmp_path):
     assert "Holm's correction over the table's 2 comparisons (1 resolved)" in md
     assert "24 paired samples per comparison" in md
     assert "$^{\\dagger}$" in files["ruler_budget_tiny.tex"]
+
+
+# --- settings of an experiment, and whether a table can rank its methods -----------------------
+
+
+def test_a_setting_of_an_experiment_gets_its_table_spec():
+    from rbs_bench.tables import specs
+
+    assert specs.spec_for("ruler_budget_16k") is specs.SPECS["ruler_budget"]
+    assert specs.spec_for("selector_ablation_16k") is specs.SPECS["selector_ablation"]
+    assert specs.spec_for("ruler_budget") is specs.SPECS["ruler_budget"]
+    assert specs.spec_for("adhoc") is specs.SUMMARY
+
+
+def test_discrimination_note_names_dense_and_the_largest_drop(results):
+    md = _build(results)["ruler_budget_tiny.md"]
+    # dense 90 on both tasks; at 1% rbs and xattn score (0 + 60) / 2 = 30 on each task
+    assert (
+        "Discrimination: dense scores 90.00% (n=4); at the lowest target, 1%, the largest drop "
+        "below it is RBS-Attention's, 60.0 points (30.00%), so the table can rank methods." in md
+    )
+
+
+def _records(method, budget, target, scores, **fields):
+    import pandas as pd
+
+    return pd.DataFrame(
+        dict(method=method, budget=budget, budget_target=target, task="niah_single_1")
+        | dict(context_length=16384, index=i, score=s, density=0.05 if target else 1.0)
+        | dict(method_fields=dict(fields), source=f"{method}/{budget}/records.jsonl")
+        for i, s in enumerate(scores)
+    )
+
+
+def test_a_table_whose_methods_stay_near_dense_says_it_cannot_rank_them():
+    import pandas as pd
+
+    df = pd.concat(
+        [
+            _records("dense", "default", None, [100] * 9 + [0]),
+            _records("rbs", "d5", 0.05, [100] * 8 + [0, 0]),
+            _records("rbs", "d10", 0.1, [0] * 10),  # far below, but not at the lowest target
+        ]
+    )
+    (note,) = layout.discrimination_note(df, layout.score_mean)
+    assert "dense scores 90.00% (n=10); at the lowest target, 5%" in note
+    assert "RBS-Attention's, 10.0 points (80.00%), so the table can rank" in note
+    df.loc[(df["budget"] == "d5") & (df["index"] == 8), "score"] = 100
+    (note,) = layout.discrimination_note(df, layout.score_mean)
+    assert "0.0 points (90.00%), less than 10: no method falls clearly below dense" in note
+    assert layout.discrimination_note(df[df["method"] != "dense"], layout.score_mean) == []
+
+
+def test_block_size_table_holds_every_block_size_and_dense_once():
+    import pandas as pd
+
+    from rbs_bench.tables import specs
+
+    df = pd.concat(
+        [_records("dense", "default", None, [100, 100], block_size=64)]
+        + [
+            _records(m, f"anchor0.1103_B{b}", 0.1103, [100, 0], block_size=b, alpha=0.1)
+            for m in ("centroid", "rbs")
+            for b in (64, 128, 256)
+        ]
+    )
+    df["model"] = "tiny"
+    pv = paper.PaperValues.load(VALUES)
+    (table,) = specs.BLOCK_SIZE.build(df, "block_size_16k", "tiny", pv)
+    labels = [tuple(c.ours[0] for c in row[:2]) for row in table.rows]
+    assert labels == [("Dense", "–")] + [
+        (name, str(b)) for name in ("Centroid-only", "RBS union") for b in (64, 128, 256)
+    ]
+    assert "target 11.03%" in table.title
+    assert any(n.startswith("Discrimination: dense scores 100.00% (n=2)") for n in table.notes)
+
+
+def test_rows_that_are_not_methods_show_the_reference_as_a_line():
+    import pandas as pd
+
+    from rbs_bench.tables import specs
+
+    df = pd.concat(
+        [_records("dense", "default", None, [100, 100, 100, 0])]
+        + [
+            _records("rbs", name, None, [100, 100, 0, 0], alpha_base=a, alpha_rescue=r)
+            for name, a, r in (("default", 0.22, 0.18), ("aggressive", 0.24, 0.16))
+        ]
+    )
+    df["model"] = "tiny"
+    (table,) = specs.THRESHOLDS.build(df, "thresholds_16k", "tiny", paper.PaperValues.load(VALUES))
+    assert [row[0].ours[0] for row in table.rows] == ["Default", "Aggressive"]
+    assert table.lead == ["Dense (n=4): density 100.00%, accuracy 75.00 [30.1, 95.4]."]
+    assert [row[-1].ours[0] for row in table.rows] == ["50.00", "50.00"]  # dense not mixed in

@@ -17,7 +17,7 @@ from rbs_bench.report import load_records
 from rbs_bench.tables import timing
 from rbs_bench.tables.paper import PaperValues
 from rbs_bench.tables.render import Table, to_latex, to_markdown
-from rbs_bench.tables.specs import LOADERS, SPECS, SUMMARY
+from rbs_bench.tables.specs import LOADERS, spec_for
 
 NEEDED = {"method", "budget", "task", "context_length", "score", "density", "ttft_s", "source"}
 
@@ -52,7 +52,7 @@ def build_tables(results: Path, out: Path, paper_values: Path) -> list[Path]:
             what = f"lack {', '.join(missing)}" if len(df) else "none at <method>/<budget>/"
             print(f"{exp_dir}: no table (run records {what})", file=sys.stderr)
             continue
-        tables = SPECS.get(experiment, SUMMARY).build(df, experiment, model, pv)
+        tables = spec_for(experiment).build(df, experiment, model, pv)
         written += _write(out, experiment, model, tables)
     return written
 

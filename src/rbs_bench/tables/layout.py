@@ -114,6 +114,46 @@ def _paper_note(pv: PaperValues, table: str) -> str:
     )
 
 
+DISCRIMINATES = 10.0  # points below dense at the lowest target that let a table rank methods
+
+
+def _lowest_setting(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The records of the table's sparsest setting and its name: the lowest budget target, or,
+    where the budgets set no target (fixed thresholds), the budget of the lowest mean density."""
+    targets = df["budget_target"].dropna() if "budget_target" in df else pd.Series(dtype=float)
+    if len(targets):
+        low = float(targets.min())
+        return df[df["budget_target"] == low], f"the lowest target, {100 * low:g}%"
+    budget = df.groupby("budget")["density"].mean().idxmin()
+    return df[df["budget"] == budget], f"the sparsest setting, {budget}"
+
+
+def discrimination_note(df: pd.DataFrame, score: Callable[[pd.DataFrame], float]) -> list[str]:
+    """Whether the table can rank its methods: dense's accuracy, and the largest drop of any
+    method below it at the table's sparsest setting (none without a dense cell)."""
+    if "method" not in df:
+        return []
+    is_dense = df["method"] == methods.DENSE
+    dense, rest = df[is_dense], df[~is_dense]
+    if dense.empty or rest.empty:
+        return []
+    ref = score(dense)
+    low, where = _lowest_setting(rest)
+    cells = [(score(sub), key) for key, sub in low.groupby(["method", "budget"], sort=True)]
+    worst, (method, _) = min(cells)
+    drop = ref - worst
+    verdict = (
+        "so the table can rank methods"
+        if drop >= DISCRIMINATES
+        else f"less than {DISCRIMINATES:g}: no method falls clearly below dense here, so the "
+        "table cannot rank the methods at this setting"
+    )
+    return [
+        f"Discrimination: dense scores {ref:.2f}% (n={len(dense)}); at {where}, the largest drop "
+        f"below it is {display(method)}'s, {drop:.1f} points ({worst:.2f}%), {verdict}."
+    ]
+
+
 @dataclass(frozen=True)
 class Metric:
     name: str  # the paper's column suffix, e.g. "accuracy"
@@ -322,6 +362,7 @@ class GridSpec:
         t.lead = self._reference_lines(ref, paper, pv)
         t.notes = list(self.notes) + self._setting_notes(df, grid, paper, pv)
         t.notes += noise_footnote(widest, ns) + self._paired(grid, rows)
+        t.notes += discrimination_note(df, self.score or score_mean)
         return t
 
     def _paired(self, grid: pd.DataFrame, rows: list[tuple]) -> list[str]:
@@ -440,6 +481,14 @@ def _mean_recall(df: pd.DataFrame) -> float:
     return 100 * float(have.mean()) if len(have) else math.nan
 
 
+def _rows_with(df: pd.DataFrame, fields: tuple[str, ...], key: tuple) -> pd.Series:
+    """The rows whose `fields` equal `key`, an empty value matching an empty one."""
+    hit = pd.Series(True, index=df.index)
+    for f, v in zip(fields, key):
+        hit &= df[f].isna() if pd.isna(v) else df[f] == v
+    return hit
+
+
 @dataclass(frozen=True)
 class RowSpec:
     """One row per value of the `keys` fields, with computed columns, one table per `split`."""
@@ -472,21 +521,38 @@ class RowSpec:
                 self, columns=(*self.columns, column), notes=(*self.notes, RECALL_NOTE)
             )
         split = [k for k in spec.split if k in df]
-        parts = df.groupby(split, sort=True) if split else [((), df)]
+        ref, rest = spec._reference(df)
+        parts = rest.groupby(split, sort=True) if split else [((), rest)]
         tables = []
         for values, sub in parts:
             values = values if isinstance(values, tuple) else (values,)
-            tables.append(spec._table(sub, experiment, model, dict(zip(split, values)), pv))
+            where = dict(zip(split, values))
+            # the reference (dense) ran once, under no target: it joins every table of its length
+            same = [k for k in where if k in ("context_length", "model")]
+            mine = ref[(ref[same] == pd.Series(where)[same]).all(axis=1)] if same else ref
+            tables.append(spec._table(pd.concat([sub, mine]), experiment, model, where, pv))
         return tables
+
+    def _reference(self, df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """(the reference method's records, the rest); none apart where the records hold only
+        the reference, or where the reference does not stand apart by the split."""
+        if self.reference is None or "method" not in df:
+            return df.iloc[:0], df
+        is_ref = df["method"] == self.reference
+        if not is_ref.any() or is_ref.all():
+            return df.iloc[:0], df
+        return df[is_ref], df[~is_ref]
 
     def _table(self, df, experiment, model, where, pv) -> Table:
         paper = self.paper if self.paper and _paper_applies(df, self.paper.setting) else None
         rows = []
+        # rows keyed by method show the reference as a row; others (threshold pairs) as a line
+        ref, body = self._reference(df) if "method" not in self.keys else (df.iloc[:0], df)
         keys = sorted(
-            {tuple(k) for k in df[list(self.keys)].itertuples(index=False)}, key=self.order
+            {tuple(k) for k in body[list(self.keys)].itertuples(index=False)}, key=self.order
         )
         for key in keys:
-            sub = df[(df[list(self.keys)] == pd.Series(key, index=list(self.keys))).all(axis=1)]
+            sub = body[_rows_with(body, self.keys, key)]
             cells = [Cell((text,)) for text in self.label(key)]
             for col in self.columns:
                 c = col.cell(sub)
@@ -498,7 +564,7 @@ class RowSpec:
             rows.append((key, sub, cells))
         self._mark_best(rows)
         setting = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in where.items())
-        notes = list(self.notes) + self._paired(rows)
+        notes = list(self.notes) + self._paired(rows) + discrimination_note(df, score_mean)
         if self.sample_note and "task" in df:
             ns = [len(sub) for _, sub, _ in rows]
             n_text = f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
@@ -518,7 +584,21 @@ class RowSpec:
             notes=notes,
             sources=_sources(df),
             keys=len(self.key_titles),
+            lead=self._reference_line(ref),
         )
+
+    def _reference_line(self, ref: pd.DataFrame) -> list[str]:
+        """The reference method's accuracy with its interval, for tables whose rows are not
+        methods (its records are not a row of theirs)."""
+        if ref.empty:
+            return []
+        score = score_mean(ref)
+        interval = interval_text(score, len(ref))[0]
+        density = 100 * ref["density"].mean()
+        return [
+            f"{display(self.reference)} (n={len(ref)}): density {density:.2f}%, accuracy "
+            f"{score:.2f}{' ' + interval if interval else ''}."
+        ]
 
     def _versus(self, key: tuple) -> tuple | None:
         if self.versus is not None:

@@ -33,13 +33,15 @@ def _pct(t: float) -> str:
     return f"{round(100 * t, 6):g}%"
 
 
-def _with_target(df: pd.DataFrame) -> pd.DataFrame:
+def _with_target(df: pd.DataFrame, distinct: bool = True) -> pd.DataFrame:
     """Adds `target`: the budget's target density as the paper writes it ("5%"), or "default";
-    a target shared by several budget names gets the name too."""
+    a target shared by several budget names gets the name too (unless not `distinct`: where
+    another key, the block size, tells those budgets apart)."""
     tgt = df["budget_target"] if "budget_target" in df else pd.Series(None, index=df.index)
     by_name = {b: t for b, t in zip(df["budget"], tgt)}
     text = {b: (_pct(t) if t is not None and not pd.isna(t) else b) for b, t in by_name.items()}
-    shared = {v for v in text.values() if list(text.values()).count(v) > 1}
+    values = list(text.values())
+    shared = {v for v in values if values.count(v) > 1} if distinct else set()
     text = {b: f"{v} ({b})" if v in shared else v for b, v in text.items()}
     return df.assign(target=df["budget"].map(text))
 
@@ -108,7 +110,12 @@ def _tasks_score(prefix: str) -> Callable[[pd.DataFrame], float]:
 def _method_label(table: str | None = None) -> Callable[[tuple], tuple[str, ...]]:
     """A row's label: the method's name in the paper table `table` (its display name by default),
     then the other keys."""
-    return lambda key: (_row_name(key[0], table), *map(str, key[1:]))
+    return lambda key: (_row_name(key[0], table), *map(_key_text, key[1:]))
+
+
+def _key_text(value) -> str:
+    """A row key as text; "–" where the row has none (the reference's block size)."""
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else str(value)
 
 
 def _row_name(method: str, table: str | None) -> str:
@@ -162,7 +169,6 @@ STRICT_DENSITY = GridSpec(
         Metric("accuracy", "score", interval=True),
     ),
     split=("context_length",),
-    reference=None,
     bold="accuracy",
     bold_by="column",
     paper=PaperLink(
@@ -416,7 +422,7 @@ BLOCK_SIZE = RowSpec(
     order=_method_key_order,
     paper=PaperLink(BLOCK_TABLE, RULER_SETTING),
     paper_row=lambda key, model: f"{_row_name(key[0], BLOCK_TABLE)}:{key[1]}",
-    derive=lambda df: _with_target(_field("block_size")(df)),
+    derive=lambda df: _with_target(_reference_blank("block_size", _field("block_size")(df)), False),
     split=("context_length", "target"),
     notes=(
         "Each block size is calibrated to the same target. Calibration parameter: the calibrated "
@@ -424,6 +430,14 @@ BLOCK_SIZE = RowSpec(
         + DENSITY_NOTE,
     ),
 )
+
+
+def _reference_blank(column: str, df: pd.DataFrame) -> pd.DataFrame:
+    """`column` emptied on the reference (dense) rows: a key of the sparse rows only."""
+    return df.assign(
+        **{column: df[column].astype(object).where(df["method"] != methods.DENSE, None)}
+    )
+
 
 THRESHOLD_PANELS = {"qwen3_30b_a3b_fp8": "Qwen3-30B-A3B FP8", "qwen3_32b": "Qwen3-32B"}
 THRESHOLD_ORDER = ("conservative", "default", "aggressive")
@@ -539,3 +553,13 @@ LOADERS: dict[str, tuple[Callable[[Path], pd.DataFrame], object]] = {
     "calibration_cost": (load_calibrations, CALIBRATION_COST),
 }
 SUMMARY = SummarySpec()
+
+
+def spec_for(experiment: str):
+    """The table spec of an experiment: its own, else that of the experiment it is a setting of
+    (`ruler_budget_16k` is ruler_budget at 16K: the longest spec name followed by `_`), else the
+    summary table."""
+    if experiment in SPECS:
+        return SPECS[experiment]
+    bases = [name for name in SPECS if experiment.startswith(f"{name}_")]
+    return SPECS[max(bases, key=len)] if bases else SUMMARY
