@@ -34,5 +34,7 @@ The package, each module importing only those above it:
     layout.py   cell means and intervals, the generic layouts GridSpec / RowSpec / SummarySpec
     specs.py    each experiment's table spec (SPECS, LOADERS)
     timing.py   the timing experiments' tables and speedup figure, from results/speed CSVs
+    claims.py   the paper's claims decided by the records (claims_<model>.md): each paired
+                difference with its interval and Holm-corrected p, and a verdict
     build.py    every table of a results directory; the command line (__main__.py)
 """

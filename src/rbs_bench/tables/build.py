@@ -14,7 +14,7 @@ from rbs_bench import paths
 from rbs_bench.errors import UserError
 from rbs_bench.records import write_atomic
 from rbs_bench.report import load_records
-from rbs_bench.tables import timing
+from rbs_bench.tables import claims, timing
 from rbs_bench.tables.paper import PaperValues
 from rbs_bench.tables.render import Table, to_latex, to_markdown
 from rbs_bench.tables.specs import LOADERS, spec_for
@@ -54,7 +54,7 @@ def build_tables(results: Path, out: Path, paper_values: Path) -> list[Path]:
             continue
         tables = spec_for(experiment).build(df, experiment, model, pv)
         written += _write(out, experiment, model, tables)
-    return written
+    return written + claims.build(results, out, pv)
 
 
 def build_timing_tables(results: Path, out: Path) -> list[Path]:
