@@ -21,6 +21,16 @@ program finds its expert and row range from `offsets` on the device (no host syn
 rows past offsets[-1] are written as zeros. The batched form (one expert id per row) sorts the
 rows by expert on the device and runs the grouped form.
 
+cuBLAS. On Hopper (capability 9.0+) a 2-d product with 128 x 128 weight blocks, dynamic
+activation scales and K and N multiples of 512 goes to cuBLAS's block-scaled FP8 GEMM instead
+(`torch._scaled_mm` with 1 x 128 activation and 128 x 128 weight scales: the same function, at
+1,040-1,180 TFLOP/s where the Triton product reaches 530-790 on the FP8 MoE's shapes at 128K
+tokens, results/speed/fp8_scaled_mm_probe_nvidia_h100_80gb_hbm3.csv). cuBLAS takes only row
+counts that are a multiple of 4 (others are padded with zero rows), refuses other row counts, and
+returned wrong values (inf) for K = 768, a K / 128 that is not a multiple of 4: such shapes stay
+on the Triton kernel. Before its first use on a device the path is checked once against the
+Triton product on a small shape; RBS_BENCH_FP8_CUBLAS=0 keeps every product on Triton.
+
 `fp8_linear_ref`, `fp8_grouped_linear_ref`, `fp8_batched_linear_ref` and `act_quant_ref` are the
 PyTorch references: the same activation quantisation, then an fp32 product of the dequantised
 operands. The public kernels are torch.library custom ops (`torch.ops.rbs_bench.fp8_linear`,
@@ -38,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 
 import torch
 from torch import Tensor
@@ -564,6 +575,69 @@ def _block_args(block_n: int, block_k: int):
     return None if block_n <= 0 else (block_n, block_k)
 
 
+CUBLAS_BLOCK = (128, 128)  # the one block shape of cuBLAS's block-scaled recipe
+CUBLAS_ALIGN = 512  # K and N: a multiple of 4 blocks of 128 (K = 768 gave inf, see above)
+
+
+def cublas_shape_ok(n: int, k: int, block_size, activation_scale) -> bool:
+    """Whether cuBLAS's block-scaled FP8 GEMM computes this product exactly as the Triton
+    kernel does: 128 x 128 weight blocks, dynamic activation scales, K and N multiples of 512."""
+    return (
+        block_size is not None
+        and tuple(int(b) for b in block_size) == CUBLAS_BLOCK
+        and activation_scale is None
+        and k % CUBLAS_ALIGN == 0
+        and n % CUBLAS_ALIGN == 0
+    )
+
+
+def cublas_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype) -> Tensor:
+    """x [M, K] @ the block-FP8 weight [N, K] -> [M, N] in `out_dtype` (bf16) through
+    `torch._scaled_mm`: activations quantised
+    by `fp8_act_quant` (its group-major scales [K / 128, M] seen as [M, K / 128] with strides
+    (1, M), the layout cuBLAS reads), the weight's scales [N / 128, K / 128] seen transposed;
+    rows padded with zeros to a multiple of 4."""
+    m = x.shape[0]
+    pad = -m % 4
+    xp = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
+    a, a_s = fp8_act_quant(xp, CUBLAS_BLOCK[1])
+    scales = weight_scale_inv.float().contiguous()
+    out = torch._scaled_mm(a, weight.t(), a_s.t(), scales.t(), out_dtype=out_dtype)
+    return out[:m] if pad else out
+
+
+@functools.cache
+def _cublas_works(device: torch.device) -> bool:
+    """cuBLAS's recipe runs here and agrees with the Triton kernel on one small product (a
+    torch built without it, or a GPU before Hopper, keeps the Triton kernel)."""
+    if os.environ.get("RBS_BENCH_FP8_CUBLAS", "1") == "0" or kernel_arch(device) < 90:
+        return False
+    if not hasattr(torch, "_scaled_mm"):
+        return False
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(6, 1024, generator=gen, device=device).to(torch.bfloat16)
+    w = (torch.randn(512, 1024, generator=gen, device=device) * 8).to(FP8_DTYPE)
+    s = torch.rand(4, 8, generator=gen, device=device) / 64 + 1e-3
+    try:
+        got = cublas_linear(x, w, s, torch.bfloat16).float()
+    except RuntimeError:
+        return False
+    ref = _launch(x, w, s, CUBLAS_BLOCK, out_dtype=torch.float32)
+    return bool(torch.isfinite(got).all()) and float((got - ref).norm() / ref.norm()) < 1e-2
+
+
+def _use_cublas(x: Tensor, weight: Tensor, block_size, activation_scale, out_dtype) -> bool:
+    n, k = weight.shape[-2:]
+    return (
+        x.is_cuda
+        and not INTERPRET
+        and out_dtype == torch.bfloat16  # the output dtype of cuBLAS's block-scaled recipe
+        and weight.dim() == 2
+        and cublas_shape_ok(n, k, block_size, activation_scale)
+        and _cublas_works(x.device)
+    )
+
+
 @torch.library.custom_op("rbs_bench::fp8_linear", mutates_args=())
 def _fp8_linear_op(
     x: Tensor,
@@ -575,6 +649,9 @@ def _fp8_linear_op(
     activation_scale: Tensor | None,
 ) -> Tensor:
     blocks = _block_args(block_n, block_k)
+    if _use_cublas(x, weight, blocks, activation_scale, out_dtype):
+        with torch.cuda.device(x.device):
+            return cublas_linear(x, weight, weight_scale_inv, out_dtype)
     return _launch(x, weight, weight_scale_inv, blocks, None, activation_scale, out_dtype)
 
 
@@ -613,7 +690,8 @@ def fp8_linear(
     out_dtype: torch.dtype | None = None,
 ) -> Tensor:
     """x [..., K] (bf16/fp16/fp32) @ the block-FP8 weight [N, K] -> [..., N] in `out_dtype`
-    (x's dtype by default); Triton, the values of `fp8_linear_ref`. block_size [bn, bk] of the
+    (x's dtype by default); Triton or, for the shapes it takes on Hopper, cuBLAS
+    (`cublas_linear`), the values of `fp8_linear_ref`. block_size [bn, bk] of the
     scales [ceil(N / bn), ceil(K / bk)], or None for one per-tensor scale; activation_scale: a
     static per-tensor activation scale instead of dynamic per-group ones."""
     _check_linear(x, weight, weight_scale_inv)

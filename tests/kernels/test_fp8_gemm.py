@@ -424,6 +424,37 @@ def test_gpu_linear_bf16_model_shapes(m, n, k):
     check_linear(m, n, k, (128, 128), torch.bfloat16, fused=True, seed=m + n)
 
 
+def test_cublas_takes_only_the_shapes_it_computes_exactly():
+    ok = fp8_gemm.cublas_shape_ok
+    assert ok(4096, 2048, (128, 128), None) and ok(512, 4096, [128, 128], None)
+    assert not ok(2048, 768, (128, 128), None)  # K / 128 = 6: cuBLAS returned inf
+    assert not ok(1536 + 128, 2048, (128, 128), None)  # N / 128 not a multiple of 4
+    assert not ok(4096, 2048, (64, 128), None) and not ok(4096, 2048, None, None)
+    assert not ok(4096, 2048, (128, 128), torch.tensor(0.1))  # a static activation scale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
+@pytest.mark.parametrize("m", [1, 129, 4099])
+@pytest.mark.parametrize("n, k", [(4096, 2048), (2048, 4096), (1536, 2048)])
+def test_gpu_cublas_linear_on_hopper(m, n, k):
+    """On Hopper the model's q/k/v/o shapes take cuBLAS's block-scaled product (rows padded to
+    a multiple of 4), within the same bound of the reference as the Triton kernel."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuBLAS's block-scaled FP8 recipe needs Hopper")
+    x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    wq = torch.empty(n, k, device="cuda", dtype=fp8_gemm.FP8_DTYPE)
+    assert fp8_gemm._use_cublas(x, wq, (128, 128), None, torch.bfloat16)
+    got = check_linear(m, n, k, (128, 128), torch.bfloat16, seed=m + n)
+    wq, s = quantized_weight((n, k), (128, 128), seed=m + n, device="cuda")
+    xb = activations(m, k, seed=m + n + 1, dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(fp8_gemm.cublas_linear(xb, wq, s, torch.bfloat16), got)
+    # the Triton product these shapes no longer take stays within the same bound
+    ref32 = fp8_linear_ref(xb, wq, s, (128, 128), None, torch.float32)
+    truth = xb.double() @ dequantize_weight_ref(wq, s, (128, 128)).double().T
+    assert_rows_close(fp8_gemm._launch(xb, wq, s, (128, 128)), ref32, truth)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
 @pytest.mark.parametrize("tokens", [1, 129, 1000])

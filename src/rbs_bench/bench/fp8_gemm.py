@@ -18,10 +18,13 @@ the dequantised weight), the rule of tests/kernels/test_fp8_gemm.py. `ratio` is 
 error over its tolerance (a pass is <= 1).
 
 Times (`kind=time`), `triton.testing.do_bench` medians: the FP8 product as a layer calls it
-(quantisation pass + product), the quantisation pass alone, the product alone on quantised
-inputs, the fused kernel; against bf16 cuBLAS (`F.linear` with the dequantised weight) and, for
-the experts, PyTorch's grouped GEMM (`F.grouped_mm` / `torch._grouped_mm`, the weight as
-transformers passes it, a transposed [E, K, N] view) on the same rows; for the plain layers also
+(quantisation pass + product; cuBLAS's block-scaled GEMM on Hopper where `cublas_shape_ok`, see
+kernels/fp8_gemm.py), the quantisation pass alone, the Triton product alone on quantised inputs,
+the fused kernel, and for the shapes cuBLAS takes its block-scaled product with and without the
+quantisation (`fp8_cublas_block`, `fp8_cublas_block_gemm`); against bf16 cuBLAS (`F.linear`
+with the dequantised weight) and, for the experts, PyTorch's grouped GEMM (`F.grouped_mm` /
+`torch._grouped_mm`, the weight as transformers passes it, a transposed [E, K, N] view) on the
+same rows; for the plain layers also
 cuBLAS's fp8 product with one scale per tensor (`torch._scaled_mm`, `fp8_cublas_tensorwise`): a
 ceiling for the rate, not the same function. TFLOP/s count 2 M N K.
 
@@ -105,7 +108,10 @@ def check_linear(name, tokens, variant) -> dict:
     n, k = LINEAR[name]
     wq, s = quantized_weight((n, k), seed=n + k)
     x = activations(tokens, k, seed=tokens)
-    got = fk._launch(x, wq, s, BLOCK, fused=variant == "fused")
+    if variant == "cublas":
+        got = fk.cublas_linear(x, wq, s, torch.bfloat16)
+    else:
+        got = fk._launch(x, wq, s, BLOCK, fused=variant == "fused")
     rows = sample_rows(tokens, seed=1)
     ref = fk.fp8_linear_ref(x[rows], wq, s, BLOCK, out_dtype=torch.float32)
     exact = x[rows].double() @ fk.dequantize_weight_ref(wq, s, BLOCK).double().T
@@ -161,6 +167,14 @@ def time_linear(name, tokens, rep_ms) -> dict:
         lambda: fk._launch(x, wq, s, BLOCK, fused=True), rep_ms
     )
     ms["bf16_cublas"] = do_bench(lambda: F.linear(x, w_bf16), rep_ms)
+    if fk.cublas_shape_ok(n, k, BLOCK, None):  # what fp8_linear runs on Hopper for this shape
+        ms["fp8_cublas_block"] = do_bench(lambda: fk.cublas_linear(x, wq, s, x.dtype), rep_ms)
+        ms["fp8_cublas_block_gemm"] = do_bench(
+            lambda: torch._scaled_mm(
+                quantized[0], wq.t(), quantized[1].t(), s.t(), out_dtype=torch.bfloat16
+            ),
+            rep_ms,
+        )
     ceiling = scaled_mm_ceiling(quantized[0], wq)
     if ceiling is not None:
         ms["fp8_cublas_tensorwise"] = do_bench(ceiling, rep_ms)
@@ -225,8 +239,10 @@ def plan(tokens: list[int]) -> list[tuple]:
     """(row id, kind, layer, tokens, variant) in the order they run: checks, then times."""
     rows = []
     for layer in (*LINEAR, *EXPERTS):
+        n, k = LINEAR.get(layer, EXPERTS.get(layer))
+        cublas = layer in LINEAR and fk.cublas_shape_ok(n, k, BLOCK, None) and fp8_gpu(9)
         for t in (*CHECK_TOKENS, max(tokens)):
-            for variant in ("default", "fused"):
+            for variant in ("default", "fused", *(("cublas",) if cublas else ())):
                 rows.append((f"check-{layer}-{t}-{variant}", "check", layer, t, variant))
     for t in tokens:
         for layer in (*LINEAR, *EXPERTS):
@@ -279,8 +295,10 @@ def _first(row: dict, *keys) -> float:
     return math.nan
 
 
-def fp8_gpu() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+def fp8_gpu(major: int = 8, minor: int = 9) -> bool:
+    """A CUDA GPU of at least this capability (8.9: fp8 tensor cores; 9: cuBLAS's block-scaled
+    FP8 recipe)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (major, minor)
 
 
 def environment() -> dict:
