@@ -128,9 +128,12 @@ def _lowest_setting(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     return df[df["budget"] == budget], f"the sparsest setting, {budget}"
 
 
-def discrimination_note(df: pd.DataFrame, score: Callable[[pd.DataFrame], float]) -> list[str]:
+def discrimination_note(
+    df: pd.DataFrame, score: Callable[[pd.DataFrame], float], experiment: str = ""
+) -> list[str]:
     """Whether the table can rank its methods: dense's accuracy, and the largest drop of any
-    method below it at the table's sparsest setting (none without a dense cell)."""
+    method below it at the table's sparsest setting (none without a dense cell); where it cannot,
+    the experiment's config says what else was tried."""
     if "method" not in df:
         return []
     is_dense = df["method"] == methods.DENSE
@@ -142,11 +145,12 @@ def discrimination_note(df: pd.DataFrame, score: Callable[[pd.DataFrame], float]
     cells = [(score(sub), key) for key, sub in low.groupby(["method", "budget"], sort=True)]
     worst, (method, _) = min(cells)
     drop = ref - worst
+    tried = f" (conf/experiment/{experiment}.yaml says what was tried)" if experiment else ""
     verdict = (
         "so the table can rank methods"
         if drop >= DISCRIMINATES
         else f"less than {DISCRIMINATES:g}: no method falls clearly below dense here, so the "
-        "table cannot rank the methods at this setting"
+        f"table cannot rank the methods at this setting{tried}"
     )
     return [
         f"Discrimination: dense scores {ref:.2f}% (n={len(dense)}); at {where}, the largest drop "
@@ -362,7 +366,7 @@ class GridSpec:
         t.lead = self._reference_lines(ref, paper, pv)
         t.notes = list(self.notes) + self._setting_notes(df, grid, paper, pv)
         t.notes += noise_footnote(widest, ns) + self._paired(grid, rows)
-        t.notes += discrimination_note(df, self.score or score_mean)
+        t.notes += discrimination_note(df, self.score or score_mean, experiment)
         return t
 
     def _paired(self, grid: pd.DataFrame, rows: list[tuple]) -> list[str]:
@@ -564,7 +568,8 @@ class RowSpec:
             rows.append((key, sub, cells))
         self._mark_best(rows)
         setting = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in where.items())
-        notes = list(self.notes) + self._paired(rows) + discrimination_note(df, score_mean)
+        notes = list(self.notes) + self._paired(rows)
+        notes += discrimination_note(df, score_mean, experiment)
         if self.sample_note and "task" in df:
             ns = [len(sub) for _, sub, _ in rows]
             n_text = f"{min(ns)}" if min(ns) == max(ns) else f"{min(ns)}-{max(ns)}"
