@@ -685,6 +685,16 @@ def row_calibration_file_a_fifo(tmp_path, results, recorded):
     _one_line(got, str(path), "not a regular file")
 
 
+def row_paper_values_a_fifo(tmp_path, results, recorded):
+    _copy_recorded(recorded, results)
+    values = results / "paper" / "paper_values.csv"
+    values.parent.mkdir()
+    os.mkfifo(values)
+    with _deadline(20):
+        got = _cli("rbs_bench.tables", ["--results", str(results)])
+    _one_line(got, str(values), "not a regular file")
+
+
 def _outside(tmp_path: Path) -> Path:
     out = tmp_path / "outside"
     out.mkdir(exist_ok=True)
@@ -725,7 +735,7 @@ _SMALL_ADHOC = [o for o in DENSE if o != GRID]
 def row_pickled_training_checkpoint(tmp_path, results, recorded):
     out, ran = tmp_path / "train", tmp_path / "code ran"
     out.mkdir()
-    argv = ["--out", str(out), "--preset", "micro", "--stages", "64:2", "--device", "cpu"]
+    argv = ["--out", str(out), "--preset", "micro", "--stages", "256:2", "--device", "cpu"]
     argv += ["--workers", "0", "--no-progress"]
     settings = train.resolve(train.parse_args(argv)[0])
     (out / "run.json").write_text(json.dumps({"settings": dataclasses.asdict(settings)}))
@@ -1106,6 +1116,7 @@ SECOND_SWEEP: dict[str, Callable] = {
     "records.jsonl a FIFO": _not_a_file(os.mkfifo),
     "cell.json a FIFO": row_cell_json_a_fifo,
     "a calibration file a FIFO": row_calibration_file_a_fifo,
+    "paper_values.csv a FIFO, tables": row_paper_values_a_fifo,
     "runs/adhoc a link out of results_dir": _linked_out(
         lambda r: r / "runs" / "adhoc", lambda r: [*_SMALL_ADHOC, f"results_dir={r}"]
     ),
