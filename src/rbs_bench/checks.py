@@ -77,8 +77,11 @@ def check_cell(cfg: DictConfig, experiment: str, calibrating: bool = False) -> N
             read_entries(path)  # a malformed file fails now, not after the search
     else:
         cell = cell_dir(cfg, experiment)
-        for name in (paths.RECORDS, paths.CELL_FILE, paths.LOCK_NAME):
+        for name in (paths.RECORDS, paths.LOCK_NAME):  # appended to, opened for writing
             check_writable(cell / name, "results_dir")
+        cached = paths.check_inside(cell / paths.CELL_FILE)  # replaced whole: its folder decides
+        if os.path.lexists(cached) and paths.not_regular(cached, os.lstat(cached).st_mode):
+            raise paths.not_regular(cached, os.lstat(cached).st_mode)
         build_selector(cfg)  # reads the calibrated knob: a missing or malformed file fails now
 
 
