@@ -31,9 +31,10 @@ def _record(method: str, density: float, ttft: float) -> dict:
 def test_scale_report_from_records(tmp_path):
     res = tmp_path / "results"
     for method, dens, ttft in [("dense", 1.0, 15.0), ("rbs", 0.04, 5.0)]:
-        cell = res / "runs" / "ruler_budget" / "qwen3_30b_a3b_random" / method / "x"
+        rec = _record(method, dens, ttft)  # in its own cell's folder, as a run writes it
+        cell = res / "runs" / "ruler_budget" / "qwen3_30b_a3b_random" / method / rec["budget"]
         cell.mkdir(parents=True)
-        (cell / "records.jsonl").write_text(json.dumps(_record(method, dens, ttft)) + "\n")
+        (cell / "records.jsonl").write_text(json.dumps(rec) + "\n")
     cal = res / "calibration" / "qwen3_30b_a3b_random"
     cal.mkdir(parents=True)
     entry = {"target": 0.05, "knob": 3.0, "density_mean": 0.05, "abs_error": 7e-6, "steps": 3}

@@ -28,4 +28,14 @@ checks both on every module, function-level imports included.
                                    concurrent processes
 """
 
+import sys as _sys
+
 __version__ = "0.1.0"
+
+# `python -m rbs_bench...` imports this package while it locates the command, with sys.argv[0]
+# set to "-m" (the interpreter's documented behaviour): every command then ends on SIGINT or
+# SIGTERM with one line and exit status 130 / 143 (errors.stop_on_signals), its own main or not.
+if _sys.argv[:1] == ["-m"]:
+    from rbs_bench.errors import stop_on_signals as _stop_on_signals
+
+    _stop_on_signals()

@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rbs_bench.checks import check_cell, preflight
+from rbs_bench.checks import check_cell, check_run_settings, preflight
 from rbs_bench.config import (
     CONFIG_MODULE,
     grid_overrides,
@@ -25,13 +25,16 @@ from rbs_bench.config import (
     report_user_errors,
     validate,
 )
+from rbs_bench.errors import stop_on_signals
 from rbs_bench.models.memory import use_expandable_segments
-from rbs_bench.paths import SUMMARY
+from rbs_bench.paths import SUMMARY, confine
 
 register_schemas()
 
 
 def run(cfg: DictConfig) -> None:
+    check_run_settings(cfg)  # also for a cell a launcher hands over without the preflight
+    confine(cfg.results_dir)  # no write leaves results_dir through a link
     if cfg.get("observations") is not None:  # +experiment=observations: an analysis, not a grid
         from rbs_bench import observations
 
@@ -102,6 +105,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    stop_on_signals()  # SIGINT, SIGTERM: one line, exit status 130 / 143
     use_expandable_segments()
     # Compose once up front so a bad override (unknown option, misspelt field) is one clear line.
     preflight(sys.argv[1:])

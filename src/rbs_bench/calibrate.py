@@ -55,7 +55,7 @@ from rbs_bench.config import (
     report_user_errors,
     validate,
 )
-from rbs_bench.errors import UserError
+from rbs_bench.errors import UserError, stop_on_signals
 from rbs_bench.execution import resolve_executor
 from rbs_bench.models.memory import use_expandable_segments
 from rbs_bench.session import Session, build_selector, check_benchmark, input_ids
@@ -272,6 +272,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    stop_on_signals()  # SIGINT, SIGTERM: one line, exit status 130 / 143
     use_expandable_segments()
     preflight(sys.argv[1:], calibrating=True)
     _hydra_main()

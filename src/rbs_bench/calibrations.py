@@ -134,17 +134,17 @@ def _load(path: Path) -> dict | None:
     read as such (binary, not YAML, not a mapping of entries) is a one-line UserError naming the
     file, the line where it can, and the repair."""
     path = Path(path)
-    if not path.exists():
+    try:
+        raw = paths.read_file(path)  # a regular file: a FIFO or a link is refused, never read
+    except FileNotFoundError:
         return None
     try:
-        data = yaml.safe_load(path.read_bytes().decode("utf-8"))
+        data = yaml.safe_load(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise UserError(
             f"{path} is not a calibration file (byte {e.start} is not UTF-8 text: a binary "
             f"file); {_fix(path)}"
         ) from None
-    except IsADirectoryError:
-        raise UserError(f"{path} is a directory, not a calibration file; {_fix(path)}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
@@ -324,9 +324,12 @@ def store(cfg, entry: dict) -> Path:
     (`records.write_atomic`: through their own temp file, keeping the file's permissions), so
     no writer's entry is lost."""
     path = calibration_path(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if cfg.get("results_dir") is not None:
+        paths.confine(cfg.results_dir)
+    paths.confine(cfg.calibration.dir)  # also where calibration.dir lies outside results_dir
+    paths.make_dirs(path.parent)
     entry = seal(entry, cfg.model)
-    with FileLock(str(path) + ".lock"):
+    with FileLock(str(paths.check_inside(f"{path}.lock"))):
         data = _load(path) or {"model": cfg.model.name, "method": cfg.method.name, "entries": []}
         same = lambda e: e["target"] == entry["target"] and e.get("setting") == entry.get("setting")
         data["entries"] = [e for e in data.get("entries") or [] if not same(e)] + [entry]

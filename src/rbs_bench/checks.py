@@ -5,16 +5,20 @@ before Hydra runs, and again by `rbs_bench.__main__.run` and `rbs_bench.calibrat
 cells a launcher hands them), so that a bad value stops the command with one line, exit status
 2, and nothing written: no cell directory, no `cell.json`, no records, no calibration entry.
 
-What it checks, in order: the names that become folders (experiment, model, method, budget) are
-one path component each (`paths.component`); the budget's target is a density in (0, 1];
+What it checks, in order: the device, executor and time budgets (`check_run_settings`, also for
+the analyses that are not grids); the names that become folders (experiment, model, method,
+budget) are one path component each, at most `paths.NAME_BYTES` long (`paths.component`); the
+budget's target is a density in (0, 1];
 `benchmark.num_samples` is at least 1 (0 means "every row" only for benchmarks that read rows
 from a data set) and at most what the benchmark can generate (its `MAX_SAMPLES`);
 `benchmark.max_new_tokens` is positive (or null); the method's block size is a power of two in
 [16, 1024]; the method's fields and knob; the benchmark's tasks, data (a malformed local data row
 names its file and row) and context lengths (at least one block, at most `model.max_context`);
-the model's local files (a truncated weight file or tokenizer names the file, `models.identity`);
-that the results directory can be written; and the calibration the budget reads (present,
-well-formed, not edited, of this model) or, calibrating, `calibration.num_prompts`.
+the model's local files (a truncated weight file or tokenizer names the file, `models.identity`;
+weights only in pickle files need `model.allow_pickle=true`); that the cell's files can be
+written there (regular files, no symbolic link leading out of results_dir, a path the file system
+takes: `check_writable`); and the calibration the budget reads (present, well-formed, not edited,
+of this model) or, calibrating, `calibration.num_prompts`.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ from rbs_bench.config import (
     validate,
 )
 from rbs_bench.errors import UserError
+from rbs_bench.execution import EXECUTORS
 from rbs_bench.session import build_selector, cell_dir, check_benchmark
 
 BLOCK_SIZES = (16, 1024)  # smallest and largest block size a run accepts (powers of two)
+DEVICE_TYPES = ("cpu", "cuda")  # what `device` may name (auto: cuda when visible, else cpu)
 
 
 def check_cell(cfg: DictConfig, experiment: str, calibrating: bool = False) -> None:
@@ -46,6 +52,8 @@ def check_cell(cfg: DictConfig, experiment: str, calibrating: bool = False) -> N
 
     `calibrating`: the cell is checked for `rbs_bench.calibrate`, which writes a calibration
     rather than reading one."""
+    check_run_settings(cfg)
+    paths.confine(cfg.results_dir)  # from here on no write leaves it through a link
     _check_names(cfg, experiment)
     _check_budget(cfg)
     try:
@@ -62,11 +70,57 @@ def check_cell(cfg: DictConfig, experiment: str, calibrating: bool = False) -> N
     if calibrating:
         if cfg.budget.target is not None and selector.knob is not None:
             _check_num_prompts(cfg)
-            check_writable(calibration_path(cfg), "calibration.dir")
-            read_entries(calibration_path(cfg))  # a malformed file fails now, not after the search
+            path = calibration_path(cfg)
+            paths.confine(cfg.calibration.dir)
+            for name in (path.name, f"{path.name}.lock"):
+                check_writable(path.with_name(name), "calibration.dir")
+            read_entries(path)  # a malformed file fails now, not after the search
     else:
-        check_writable(cell_dir(cfg, experiment) / paths.RECORDS, "results_dir")
+        cell = cell_dir(cfg, experiment)
+        for name in (paths.RECORDS, paths.LOCK_NAME):  # appended to, opened for writing
+            check_writable(cell / name, "results_dir")
+        cached = paths.check_inside(cell / paths.CELL_FILE)  # replaced whole: its folder decides
+        if os.path.lexists(cached) and paths.not_regular(cached, os.lstat(cached).st_mode):
+            raise paths.not_regular(cached, os.lstat(cached).st_mode)
         build_selector(cfg)  # reads the calibrated knob: a missing or malformed file fails now
+
+
+def check_run_settings(cfg: DictConfig) -> None:
+    """The settings of how any command runs: `device` names a device (auto, cpu, cuda, cuda:N;
+    whether one is visible is checked where the model loads, so a job can be submitted from a
+    machine without one), `executor` is one of the executors, and every time budget
+    (`time_budget_s`, `timing.time_budget_s`) is a finite number of seconds above 0 or unset."""
+    _check_device(str(cfg.device))
+    valid = ("auto", *EXECUTORS)
+    if cfg.executor not in valid:
+        raise UserError(
+            f"executor={cfg.executor!r} is not an executor; use one of {', '.join(valid)}"
+        )
+    budgets = [("time_budget_s", cfg.get("time_budget_s"))]
+    if cfg.get("timing") is not None:
+        budgets.append(("timing.time_budget_s", cfg.timing.get("time_budget_s")))
+    for key, value in budgets:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise UserError(
+                f"{key}={value:g} must be a finite number of seconds above 0 (no new work starts "
+                f"after it; rerunning continues), e.g. {key}=3600, or leave it unset for no limit"
+            )
+
+
+def _check_device(name: str) -> None:
+    if name == "auto":
+        return
+    import torch
+
+    try:
+        kind = torch.device(name).type
+    except (RuntimeError, ValueError):
+        kind = None
+    if kind not in DEVICE_TYPES:
+        raise UserError(
+            f"device={name!r} is not a device this harness runs on; use device=auto, cpu, cuda or "
+            "cuda:N"
+        )
 
 
 def _check_names(cfg: DictConfig, experiment: str) -> None:
@@ -135,8 +189,11 @@ def _check_model_files(cfg: DictConfig) -> None:
     files' sizes and headers, so a truncated weight file or tokenizer fails here, naming it."""
     try:
         models.identity(cfg.model)
+        problem = models.pickle_problem(cfg.model)
     except ValueError as e:
         raise UserError(str(e)) from None
+    if problem is not None:
+        raise UserError(problem)
 
 
 def _check_block_size(cfg: DictConfig) -> None:
@@ -161,12 +218,24 @@ def _check_lengths(cfg: DictConfig, block_size: int) -> None:
 
 
 def check_writable(path: Path, key: str) -> None:
-    """UserError unless `path` (a file, maybe not there yet) could be created or appended to.
+    """UserError unless `path` (a file, maybe not there yet) could be created or appended to:
+    inside its results folder (`paths.check_inside`: no symbolic link out of it on the way, the
+    file itself no link), a regular file if it exists, and a path short enough for the file
+    system (with room for a temp file's name beside it).
 
     Nothing is created: the nearest existing ancestor must be a writable directory."""
-    path = Path(path)
-    if path.exists():
-        if path.is_dir() or not os.access(path, os.W_OK):
+    path = paths.check_inside(path)
+    full = os.fsencode(os.path.abspath(path))
+    if len(full) + 32 > _path_max():
+        raise UserError(
+            f"{path} is {len(full)} bytes long, too long a path for the file system; set "
+            f"{key}= to a shorter folder or use shorter names"
+        )
+    if os.path.lexists(path):
+        problem = paths.not_regular(path, os.lstat(path).st_mode)
+        if problem is not None:
+            raise problem
+        if not os.access(path, os.W_OK):
             raise UserError(f"{path} is not writable; fix its permissions or set {key}=...")
         return
     parent = path.parent
@@ -177,6 +246,13 @@ def check_writable(path: Path, key: str) -> None:
         raise UserError(
             f"cannot write {path}: {parent} is {what}; set {key}= to a writable directory"
         )
+
+
+def _path_max() -> int:
+    try:
+        return os.pathconf("/", "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return 4096
 
 
 def preflight(argv: list[str], calibrating: bool = False) -> None:
@@ -208,6 +284,7 @@ def check_overrides(overrides: list[str], calibrating: bool = False) -> str | No
             for grid in grids:
                 cell = compose(config_name="config", overrides=list(overrides) + grid)
                 validate(cell)
+                check_run_settings(cell)
                 if not analysis:  # analyses are not grids of cells: they check their own input
                     check_cell(cell, experiment, calibrating=calibrating)
     except Exception as exc:  # any composition failure is the user's input

@@ -53,6 +53,9 @@ class ModelCfg:
     chat_template: bool = True  # wrap prompts with the tokenizer's chat template
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     trust_remote_code: bool = False
+    # Load weights stored as pickle files (pytorch_model.bin, *.pt), which can run code when
+    # loaded; off: safetensors only (models.pickle_problem).
+    allow_pickle: bool = False
     config_overrides: dict[str, Any] = field(default_factory=dict)  # e.g. rope scaling
     # Seeded random weights of a shipped architecture (models/architectures/<architecture>.json)
     # and the embedded byte-level tokenizer: rehearsal models (rbs_bench.models.rehearsal).

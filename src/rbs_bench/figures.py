@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from rbs_bench import methods, paths
-from rbs_bench.errors import one_line
+from rbs_bench.errors import deferred, one_line, stop_on_signals
 from rbs_bench.methods import DENSE
 from rbs_bench.report import load_records
 from rbs_bench.tables.layout import cell_means
@@ -40,11 +40,13 @@ def _plt():
 
 
 def _save(fig, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    _plt().close(fig)
-    tmp.replace(path)
+    paths.make_dirs(path.parent)
+    paths.check_inside(path)
+    tmp = paths.check_inside(path.with_name(f".{path.name}.tmp.png"))
+    with deferred():  # a stop waits for the figure's replacement
+        fig.savefig(tmp)
+        _plt().close(fig)
+        tmp.replace(path)
     return path
 
 
@@ -128,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=Path("results"))
     ap.add_argument("--out", type=Path, default=None, help="default: <results>/figures")
     args = ap.parse_args(argv)
+    stop_on_signals()
     return one_line(lambda: _figures(args.results, args.out or paths.figures_dir(args.results)))
 
 
 def _figures(results: Path, out: Path) -> int:
+    paths.results_folder(results)
+    paths.confine(out)
     written = build_figures(results, out)
     if not written:
         print(f"no run records for figures under {paths.runs_dir(results)}", file=sys.stderr)

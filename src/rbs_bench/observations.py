@@ -61,7 +61,7 @@ import torch
 from torch import Tensor
 
 from rbs_bench import methods, paths
-from rbs_bench.errors import UserError
+from rbs_bench.errors import UserError, deferred
 from rbs_bench.kernels.quest_select import top_fraction
 from rbs_bench.methods.mass import true_block_mass
 from rbs_bench.methods.scorers import (
@@ -532,11 +532,13 @@ def plot(coverage: pd.DataFrame, under: pd.DataFrame, share: pd.DataFrame, path:
 
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
+    paths.make_dirs(path.parent)
+    paths.check_inside(path)  # no write through a link out of the results folder
+    tmp = paths.check_inside(path.with_name(f".{path.name}.tmp.png"))
+    with deferred():  # a stop waits for the figure's replacement
+        fig.savefig(tmp)
+        plt.close(fig)
+        tmp.replace(path)
 
 
 def write_outputs(out_dir: Path, records: list[dict], meta: dict) -> dict[str, pd.DataFrame]:
@@ -554,10 +556,11 @@ def write_outputs(out_dir: Path, records: list[dict], meta: dict) -> dict[str, p
 def redraw(out_dir: Path) -> Path:
     """Rebuild observations.png and observations.md from the CSVs of a run directory."""
     out_dir = Path(out_dir)
-    meta = json.loads((out_dir / "observations.json").read_text())
-    coverage = pd.read_csv(out_dir / "coverage.csv")
-    under = pd.read_csv(out_dir / "rank_underestimation.csv", dtype={"layer": str})
-    share = pd.read_csv(out_dir / "top_share.csv", dtype={"layer": str})
+    read = lambda name: paths.read_text(out_dir / name)  # regular files, never a FIFO
+    meta = json.load(read("observations.json"))
+    coverage = pd.read_csv(read("coverage.csv"))
+    under = pd.read_csv(read("rank_underestimation.csv"), dtype={"layer": str})
+    share = pd.read_csv(read("top_share.csv"), dtype={"layer": str})
     title = (
         f"{meta['source']}: {meta['prompts']} prompt(s) x {meta['context_length']} tokens, "
         f"layers {meta['layers']}, {meta['heads']} head(s) each, block {meta['block_size']}"

@@ -19,24 +19,40 @@ its thread count (OMP_NUM_THREADS, unless set).
 CPU records continued on a GPU would mix two code paths of the selectors and kernels); git keeps
 the removed ones. Every cell checks its settings against its records before it runs, as a single
 run does; a cell that fails is reported with the last line of its log, and the others go on.
+
+`--jobs` (at least 1), each N (a whole number, at least 1), `--time-budget-s` (finite, above 0)
+and the common overrides' device and executor are checked before anything starts. SIGTERM (what
+SLURM and `timeout` send) or SIGINT to this process is forwarded to every running cell, which
+stops after recording or discarding its sample in flight; this process waits for all of them
+(at most STOP_WAIT_S, then kills what is left), so none outlives it and no cell's lock stays
+held, and exits with one line and status 143 / 130. Exit status 1: a cell failed; 2: bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 import os
+import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rbs_bench.checks import check_run_settings
 from rbs_bench.config import UserError, compose_cell, reference_cells
+from rbs_bench.errors import deferred, one_line, stop_on_signals, stopping
+from rbs_bench.paths import read_file
+from rbs_bench.records import read_cell
 from rbs_bench.slurm import _parse, grid
 
 LOG_DIR = Path("outputs/parallel")
 MARGIN_S = 30  # a cell started with less time than this left would only load the model
+STOP_WAIT_S = 60  # how long a stop waits for the cells to end before it kills them
+LOG_NAME_BYTES = 120  # a longer log name is cut and given a digest of the whole
 
 
 @dataclass
@@ -50,7 +66,11 @@ class Cell:
     @property
     def name(self) -> str:
         keep = [o for o in self.overrides if o.split("=")[0] in CELL_KEYS]
-        return "_".join(o.split("=", 1)[1] for o in keep).replace("/", "-") or "cell"
+        name = "_".join(o.split("=", 1)[1] for o in keep).replace("/", "-") or "cell"
+        if len(name.encode()) <= LOG_NAME_BYTES:
+            return name
+        digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+        return f"{name.encode()[:LOG_NAME_BYTES - 11].decode(errors='ignore')}_{digest}"
 
 
 CELL_KEYS = ("method", "budget", "budget.target", "method.block_size", "rbs_thresholds")
@@ -76,7 +96,7 @@ def cells(spec: str, common: list[str]) -> list[Cell]:
     experiment, _, n = spec.partition("=")
     base = [f"+experiment={experiment}", *common]
     if n:
-        base.append(f"benchmark.num_samples={int(n)}")
+        base.append(f"benchmark.num_samples={_count_arg(spec, experiment, n)}")
     sweep, hydra_ovs = grid(base)  # a comma-separated value in `common` is an axis of the grid
     fixed = [o.input_line for o in _parse(base) if not o.is_sweep_override()]
     fixed = [o for o in fixed if not o.startswith("hydra.")]
@@ -85,33 +105,57 @@ def cells(spec: str, common: list[str]) -> list[Cell]:
     for extra in reference_cells(cfg, base) + sweep:
         ovs = fixed + [o for o in extra if o not in fixed] + hydra_ovs
         cell_cfg = compose_cell([o for o in ovs if not o.startswith("hydra.")])
+        check_run_settings(cell_cfg)  # device, executor: before any cell starts
         records = cell_dir(cell_cfg, experiment) / "records.jsonl"
         out.append(Cell(experiment, ovs, records, _count(cell_cfg)))
     return out
 
 
+def _count_arg(spec: str, experiment: str, n: str) -> int:
+    if not (n.isascii() and n.isdigit() and int(n) >= 1):
+        raise UserError(
+            f"{spec}: N is the samples per task and length, a whole number of at least 1 (e.g. "
+            f"{experiment}=100); or give {experiment} alone for the experiment's own"
+        )
+    return int(n)
+
+
 def _records(path: Path) -> list[dict]:
-    """The cell's records, for counting progress and reading their device; leniently (any JSON
-    line counts): the cell's own run checks each record and refuses a bad one with one line."""
-    if not path.exists():
+    """The cell's records, for counting progress and reading their device, as every reader
+    reads them (records.read_cell: a repeated line counts once). A file that read refuses counts
+    as no progress: the cell's own run names the problem in one line and fails."""
+    try:
+        return read_cell(path)
+    except UserError:
         return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line: the runner drops it too
-            pass
-    return out
 
 
 def _device_kind(name: str) -> str:
     return "cuda" if str(name).startswith("cuda") else str(name)
 
 
+def _lines(path: Path) -> list[dict]:
+    """Every JSON object line of a records file, unchecked: what `replace_other_device` removes
+    is judged by the devices its lines name, whatever else is wrong with them."""
+    try:
+        text = read_file(path).decode("utf-8", "replace")
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:  # a torn last line: the runner drops it too
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
 def replace_other_device(cell: Cell, device: str) -> int:
     """Remove the cell's records (and cell.json) when any was made on another kind of device;
     returns how many were removed."""
-    recs = _records(cell.records)
+    recs = _lines(cell.records)
     kind = _device_kind(device)
     if not recs or all(_device_kind(r.get("device", "")) == kind for r in recs):
         return 0
@@ -134,7 +178,19 @@ def _resolve_device(device: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_args(jobs: int, budget_s: float) -> None:
+    """--jobs and --time-budget-s, before anything starts."""
+    if jobs < 1:
+        raise UserError(f"--jobs {jobs}: run at least one cell at a time, e.g. --jobs 4")
+    if not (math.isfinite(budget_s) and budget_s > 0):
+        raise UserError(
+            f"--time-budget-s {budget_s:g} must be a finite number of seconds above 0 (no cell "
+            "starts after it; rerunning continues), e.g. --time-budget-s 3600"
+        )
+
+
 def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace: bool) -> int:
+    check_args(jobs, budget_s)
     start = time.monotonic()
     given = [o.split("=", 1)[1] for o in common if o.startswith("device=")]
     device = _resolve_device(given[-1] if given else "auto")
@@ -158,6 +214,41 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
     threads = str(max(1, (os.cpu_count() or 1) // jobs))
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} | dict(os.environ)
     running: list[tuple[Cell, subprocess.Popen, object, Path]] = []
+    try:
+        failed = _run_cells(pending, running, jobs, budget_s, start, env)
+    except BaseException:  # SIGTERM / SIGINT (or a failure here): the cells end first
+        _stop_cells(running, stopping() or signal.SIGTERM)
+        raise
+    left_cells = [c for c in todo if not _complete(c, len(_records(c.records)))]
+    for line in failed:
+        print(f"failed: {line}", file=sys.stderr)
+    done_s = time.monotonic() - start
+    if left_cells:
+        print(f"{done_s:.0f} s: {len(left_cells)} cells unfinished; rerun the same command")
+    else:
+        print(f"{done_s:.0f} s: every cell complete")
+    return 1 if failed else 0
+
+
+def _stop_cells(running: list, signum: int) -> None:
+    """Forward the stop to every running cell and wait for each (kill what is left after
+    STOP_WAIT_S), so no cell outlives this process or keeps its lock."""
+    for _, proc, _, _ in running:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+    deadline = time.monotonic() + STOP_WAIT_S
+    for _, proc, log, _ in running:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def _run_cells(pending, running, jobs, budget_s, start, env) -> list[str]:
+    """Start pending cells while there are free jobs and time, until every cell has ended;
+    the failed cells' lines."""
     failed = []
     while pending or running:
         left = budget_s - (time.monotonic() - start)
@@ -168,8 +259,9 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
             log = open(log_path, "a")
             args = [sys.executable, "-m", "rbs_bench", *c.overrides, "progress=false"]
             args.append(f"time_budget_s={int(left)}")
-            proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-            running.append((c, proc, log, log_path))
+            with deferred():  # a stop waits until the new cell is on the list it stops
+                proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+                running.append((c, proc, log, log_path))
             print(f"start {c.experiment}/{c.name} ({c.done}/{c.samples} done)", flush=True)
         time.sleep(1)
         for item in list(running):
@@ -186,15 +278,7 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
                 failed.append(f"{c.experiment}/{c.name}: {last}")
         if not running and pending and budget_s - (time.monotonic() - start) <= MARGIN_S:
             break
-    left_cells = [c for c in todo if not _complete(c, len(_records(c.records)))]
-    for line in failed:
-        print(f"failed: {line}", file=sys.stderr)
-    done_s = time.monotonic() - start
-    if left_cells:
-        print(f"{done_s:.0f} s: {len(left_cells)} cells unfinished; rerun the same command")
-    else:
-        print(f"{done_s:.0f} s: every cell complete")
-    return 1 if failed else 0
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,12 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         help="first remove a cell's records made on another kind of device",
     )
     ns = ap.parse_args(argv)
+    stop_on_signals()  # forwarded to the cells (`_stop_cells`); one line, 143 / 130
     common = [f"results_dir={ns.results}", *common]
-    try:
-        return run(ns.experiments, ns.jobs, ns.time_budget_s, common, ns.replace_other_device)
-    except UserError as e:
-        print(f"rbs-bench: error: {e}", file=sys.stderr)
-        return 2
+    return one_line(
+        lambda: run(ns.experiments, ns.jobs, ns.time_budget_s, common, ns.replace_other_device)
+    )
 
 
 if __name__ == "__main__":

@@ -11,17 +11,27 @@ names the entry point, its distribution and what to fix, e.g.
 (one line on the terminal). A registry reads its group once per process (again after
 `rbs_bench.methods.refresh()` or a change of sys.path), so each problem is printed once;
 `problems()` lists those of the last read (for `--help` and tests).
+
+**Isolation.** A plugin's import and check run in a thread of their own, bounded by
+RBS_BENCH_PLUGIN_IMPORT_S seconds (IMPORT_S by default): whatever they raise, SystemExit and
+KeyboardInterrupt included, skips the plugin with its one line, and so does an import that is
+still running at the bound (it is left behind in its thread, which never blocks the exit). A
+SIGINT or SIGTERM to the command itself still stops it (errors.stop_on_signals).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from rbs_bench.errors import first_line
+
+IMPORT_S = 30.0  # the longest a plugin's import and check may take (RBS_BENCH_PLUGIN_IMPORT_S)
 
 
 class PluginError(ValueError):
@@ -75,16 +85,52 @@ def load(
             taker = f"the name {ep.name!r} is taken by another {kind}"
             report(kind, ep, f"{taker}; rename the entry point")
             continue
-        try:
-            obj = ep.load()
-        except Exception as e:  # any import failure of someone else's code: skip, not crash
-            why = first_line(e, typed=True)
-            report(kind, ep, f"cannot import {ep.value} ({why}); fix or uninstall it")
-            continue
-        try:
-            check(ep.name, obj)
-        except PluginError as e:
-            report(kind, ep, str(e))
+        obj, problem = _load_checked(ep, check)
+        if problem is not None:
+            report(kind, ep, problem)
             continue
         out[ep.name] = obj
     return out
+
+
+def import_bound() -> float:
+    """The seconds a plugin's import and check may take (RBS_BENCH_PLUGIN_IMPORT_S, else
+    IMPORT_S)."""
+    try:
+        bound = float(os.environ.get("RBS_BENCH_PLUGIN_IMPORT_S", IMPORT_S))
+    except ValueError:
+        bound = IMPORT_S
+    return bound if bound > 0 else IMPORT_S
+
+
+def _load_checked(ep: EntryPoint, check: Callable[[str, Any], None]) -> tuple[Any, str | None]:
+    """(the entry point's object, None), or (None, what is wrong) when its import or check
+    raises anything or outlasts `import_bound()`. Both run in a daemon thread: someone else's
+    code cannot end or hang the command."""
+    got: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            got["obj"] = ep.load()
+        except BaseException as e:  # SystemExit, KeyboardInterrupt too: skip, not crash
+            got["problem"] = (
+                f"cannot import {ep.value} ({first_line(e, typed=True)}); fix or uninstall it"
+            )
+            return
+        try:
+            check(ep.name, got["obj"])
+        except PluginError as e:
+            got["problem"] = str(e)
+        except BaseException as e:  # the check runs the plugin's code (a select)
+            got["problem"] = f"its check raised {first_line(e, typed=True)}; fix or uninstall it"
+
+    bound = import_bound()
+    thread = threading.Thread(target=work, name=f"plugin {ep.name}", daemon=True)
+    thread.start()
+    thread.join(bound)
+    if thread.is_alive():
+        return None, (
+            f"its import of {ep.value} took longer than {bound:g} s and was left behind; fix it, "
+            "uninstall it, or raise RBS_BENCH_PLUGIN_IMPORT_S"
+        )
+    return got.get("obj"), got.get("problem")

@@ -16,8 +16,8 @@ from pathlib import Path
 import pandas as pd
 
 from rbs_bench import methods, paths
-from rbs_bench.errors import one_line
-from rbs_bench.records import read_records, write_atomic
+from rbs_bench.errors import deferred, one_line, stop_on_signals
+from rbs_bench.records import read_cell, write_atomic
 
 CELL = ["method", "budget"]
 Z95 = 1.959963984540054  # the standard normal's 97.5th percentile
@@ -63,13 +63,24 @@ def noise_note(table: pd.DataFrame) -> str:
 
 
 def load_records(exp_dir: Path) -> pd.DataFrame:
-    rows = []
+    """Every record of an experiment folder's cells, with its `source` file: the one read of run
+    records for the summaries, tables and figures (records.read_cell: each record checked and
+    bound to its cell, a repeated line counted once). A cell whose file holds no record is named
+    in one warning line and in `attrs["empty_cells"]` of the frame."""
+    rows, empty = [], []
     for path in paths.cell_records(exp_dir):
-        for rec in read_records(path):
-            rec = dict(rec)
-            rec["source"] = str(path)
-            rows.append(rec)
-    return pd.DataFrame(rows)
+        recs = read_cell(path)
+        if not recs:
+            empty.append(str(path))
+            print(
+                f"rbs-bench: warning: {path} holds no records: an empty cell, left out of the "
+                "summaries and tables; rerun its command to fill it, or delete the file",
+                file=sys.stderr,
+            )
+        rows += [dict(rec) | {"source": str(path)} for rec in recs]
+    df = pd.DataFrame(rows)
+    df.attrs["empty_cells"] = empty
+    return df
 
 
 def summarize(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -177,10 +188,14 @@ def plot_score_vs_density(overall: pd.DataFrame, by_task: pd.DataFrame, path: Pa
     ax.legend(fontsize=8, title="method (small dots: task x length)", title_fontsize=7)
     fig.tight_layout()
     # per-writer temp name: array tasks finishing together each rebuild this plot
-    tmp = path.with_name(f".{path.name}.{os.uname().nodename}.{os.getpid()}.tmp.png")
-    fig.savefig(tmp)
-    plt.close(fig)
-    tmp.replace(path)
+    paths.check_inside(path)
+    tmp = paths.check_inside(
+        path.with_name(f".{path.name}.{os.uname().nodename}.{os.getpid()}.tmp.png")
+    )
+    with deferred():  # a stop waits for the plot's replacement
+        fig.savefig(tmp)
+        plt.close(fig)
+        tmp.replace(path)
 
 
 def write_summary(exp_dir: Path) -> pd.DataFrame | None:
@@ -189,6 +204,7 @@ def write_summary(exp_dir: Path) -> pd.DataFrame | None:
     df = load_records(exp_dir)
     if df.empty:
         return None
+    empty = "".join(f"- `{s}` (empty: no records yet)\n" for s in df.attrs.get("empty_cells", []))
     by_task, overall = summarize(df)
     write_atomic(exp_dir / "summary.csv", overall.to_csv(index=False))
     write_atomic(exp_dir / "summary_by_task.csv", by_task.to_csv(index=False))
@@ -212,7 +228,7 @@ def write_summary(exp_dir: Path) -> pd.DataFrame | None:
         "block pairs, mean over layers, heads and samples.\n\n"
         f"{markdown_table(overall, fmt)}\n{noise_note(overall)}"
         "\n## By task and context length\n\n"
-        f"{markdown_table(by_task, fmt)}{categories}\nRun records:\n\n{sources}"
+        f"{markdown_table(by_task, fmt)}{categories}\nRun records:\n\n{sources}{empty}"
     )
     write_atomic(exp_dir / paths.SUMMARY, md)
     plot_score_vs_density(
@@ -236,14 +252,18 @@ def main(argv: list[str] | None = None) -> int:
         "--results", type=Path, default=Path("results"), help="results dir (default: results)"
     )
     args = ap.parse_args(argv)
-    dirs = args.exp_dirs or paths.experiment_dirs(args.results)
-    return one_line(lambda: _summaries(dirs, args.results))
+    stop_on_signals()
+    return one_line(lambda: _summaries(args.exp_dirs, args.results))
 
 
-def _summaries(dirs: list[Path], results: Path) -> int:
-    runs = paths.runs_dir(results)
+def _summaries(given: list[Path], results: Path) -> int:
+    if given:
+        hint = "give the folder of one experiment on one model, <results>/runs/<experiment>/<model>"
+        dirs = [paths.results_folder(d, hint) for d in given]
+    else:
+        dirs = paths.experiment_dirs(paths.results_folder(results))
     if not dirs:
-        print(f"no run records under {runs}", file=sys.stderr)
+        print(f"no run records under {paths.runs_dir(results)}", file=sys.stderr)
     for d in dirs:
         overall = write_summary(d)
         if overall is None:

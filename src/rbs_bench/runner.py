@@ -15,7 +15,7 @@ from filelock import Timeout
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from rbs_bench import benchmarks, models
+from rbs_bench import benchmarks, models, paths
 from rbs_bench.config import out_of_time
 from rbs_bench.errors import UserError
 from rbs_bench.execution import resolve_executor
@@ -96,6 +96,7 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
     The cell's lock (`<cell dir>/.lock`, records.py) is held from the settings check to the last
     record, so a second run of the same cell waits, then finds the first one's samples recorded
     and skips them."""
+    paths.confine(cfg.results_dir)  # no write of the cell leaves results_dir through a link
     check_benchmark(cfg)
     selector = build_selector(cfg)
     bench = benchmarks.get(cfg.benchmark.name)
@@ -116,7 +117,8 @@ def run_cell(cfg: DictConfig, experiment: str, session: Session, logger=None) ->
 
 def _run_locked(cfg, experiment, session, logger, selector, bench, settings, label) -> Path:
     out_dir = cell_dir(cfg, experiment)
-    store = RecordStore(out_dir / RECORDS)
+    # bound to its cell: a record of another cell, a second one of a sample, is refused here
+    store = RecordStore(out_dir / RECORDS, cell=paths.cell_identity(out_dir / RECORDS))
     check_settings(store, settings)  # before the model loads: a mismatch costs nothing
     if out_of_time(cfg):  # loading a model would spend time the budget no longer has
         print(

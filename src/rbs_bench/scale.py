@@ -32,7 +32,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from rbs_bench.errors import one_line
+from rbs_bench import paths
+from rbs_bench.errors import one_line, stop_on_signals
 from rbs_bench.paths import (
     RUNS,
     calibration_dir,
@@ -41,7 +42,7 @@ from rbs_bench.paths import (
     scale_dir,
     speed_dir,
 )
-from rbs_bench.records import read_records, write_atomic
+from rbs_bench.records import read_cell, write_atomic
 
 PAPER_CALIBRATION = "tab:calibration"  # Table 11: offline calibration on 50 prompts at 128K
 PAPER_PROMPTS = 50
@@ -122,7 +123,7 @@ def run_cells(results: Path) -> pd.DataFrame:
     for path, tag in paths:
         experiment, model = path.parts[-5] + tag, path.parts[-4]
         by_context: dict[tuple, list] = {}
-        for r in read_records(path):
+        for r in read_cell(path):
             if not r.get("gpu"):
                 continue
             by_context.setdefault((r["gpu"], r.get("context_length")), []).append(r)
@@ -242,7 +243,7 @@ def calibration_entries(results: Path) -> pd.DataFrame:
     rows = []
     for path in sorted(calibration_dir(results).glob("*/*.yaml")):
         try:
-            doc = yaml.safe_load(path.read_text()) or {}
+            doc = yaml.safe_load(paths.read_text(path)) or {}  # a regular file, never a FIFO
         except yaml.YAMLError:
             continue  # the calibration code reports corrupt files; a report skips them
         for e in doc.get("entries") or []:
@@ -320,7 +321,7 @@ def _calibration_section(cal: pd.DataFrame, paper: dict) -> list[str]:
 def _full_depth_ttft(csv: Path) -> pd.DataFrame:
     from rbs_bench.models.rehearsal import full_depth
 
-    df = pd.read_csv(csv)
+    df = pd.read_csv(paths.read_text(csv))
     keep = [bool(full_depth(str(m)) == int(n)) for m, n in zip(df["model"], df["layers"])]
     return df[keep]
 
@@ -441,8 +442,16 @@ def main(argv: list[str] | None = None) -> int:
         "--paper-values", type=Path, default=None, help="default: <results>/paper/paper_values.csv"
     )
     args = ap.parse_args(argv)
+    stop_on_signals()
     written = []
-    status = one_line(lambda: written.extend(build(args.results, args.out, args.paper_values)))
+
+    def run() -> None:
+        paths.results_folder(args.results)
+        if args.out is not None:
+            paths.confine(args.out)
+        written.extend(build(args.results, args.out, args.paper_values))
+
+    status = one_line(run)
     if status:
         return status
     if not written:

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from rbs_bench import methods, synthetic
 from rbs_bench.budget import search_on
+from rbs_bench.errors import positive_seconds
 from rbs_bench.execution import EXECUTORS, execute
 from rbs_bench.kernels.block_sparse_attn import block_sparse_attention_ref
 from rbs_bench.kernels.flex_attn import flex_block_sparse_attention
@@ -613,9 +614,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--error-blocks", type=int, default=24, help="random query blocks compared")
     ap.add_argument(
         "--time-budget-s",
-        type=float,
-        default=0.0,
-        help="stop starting new lengths / methods after this many seconds (0: no limit)",
+        type=positive_seconds,
+        default=None,
+        help="stop starting new lengths / methods after this many seconds (default: no limit)",
     )
     ap.add_argument("--out", type=Path, default=speed_dir("results"))
     ap.add_argument("--name", default="attention", help="file stem: <name>_<gpu>.csv/.png")

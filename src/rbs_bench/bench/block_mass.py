@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from rbs_bench.errors import positive_seconds
 from rbs_bench.kernels.block_mass import block_mass, block_mass_ref, kept_block_mass
 from rbs_bench.kernels.block_sparse_attn import block_lists_from_mask
 from rbs_bench.paths import speed_dir
@@ -297,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         help="lengths of the MInference recall-pass rows",
     )  # fmt: skip
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench time budget per timing")
-    ap.add_argument("--time-budget-s", type=float, default=None, help="start no row after this")
+    ap.add_argument(
+        "--time-budget-s", type=positive_seconds, default=None, help="start no row after this"
+    )
     ap.add_argument("--out", type=Path, default=speed_dir("results"))
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from rbs_bench.errors import positive_seconds
 from rbs_bench.kernels import fp8_gemm as fk
 
 LINEAR = {"q": (4096, 2048), "k": (512, 2048), "o": (2048, 4096)}  # name: (N, K); v is k's shape
@@ -318,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("results/speed"))
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time per timing")
-    ap.add_argument("--time-budget-s", type=float, default=540.0, help="start no row after this")
+    ap.add_argument(
+        "--time-budget-s", type=positive_seconds, default=540.0, help="start no row after this"
+    )
     ap.add_argument("--no-checks", action="store_true", help="times only")
     args = ap.parse_args(argv)
     if not fp8_gpu():

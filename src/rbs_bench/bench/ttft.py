@@ -90,11 +90,11 @@ from tqdm import tqdm
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.masking_utils import sdpa_mask
 
-from rbs_bench import methods
+from rbs_bench import methods, paths
 from rbs_bench.bench.roofline import gemm_reference_ms
 from rbs_bench.budget import knob_value
 from rbs_bench.config import TimingCfg
-from rbs_bench.errors import UserError
+from rbs_bench.errors import UserError, positive_seconds
 from rbs_bench.models.hf_attention import (
     attention_modules,
     install,
@@ -1001,7 +1001,7 @@ def save_calibrations(s: Settings, lm: Loaded, n: int, got: dict[str, Calibrated
         json.dumps({**_cal_key(s, lm, n, m), **dataclasses.asdict(cal)}) + "\n"
         for m, cal in got.items()
     )
-    with open(s.calibrations, "ab") as f:
+    with open(paths.check_inside(s.calibrations), "ab", opener=paths.opener) as f:
         if f.tell() and not _ends_with_newline(s.calibrations):
             lines = "\n" + lines
         f.write(lines.encode("utf-8"))
@@ -1040,7 +1040,7 @@ def run(s: Settings) -> pd.DataFrame:
     """Every pending row of the plan; returns the whole CSV (old rows included) as a frame."""
     t_start = time.perf_counter()
     run_id = time.strftime("%Y-%m-%dT%H:%M:%S")  # rows of one process share it
-    s.out.mkdir(parents=True, exist_ok=True)
+    paths.make_dirs(s.out)  # no write leaves the results folder through a link
     rows = load_rows(s.csv)
     if s.retry_oom:  # run again; the new row replaces the oom one
         rows = [r for r in rows if r.get("status") != "oom"]
@@ -1329,7 +1329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=speed_dir("results"))
     ap.add_argument(
         "--time-budget-s",
-        type=float,
+        type=positive_seconds,
         help="start no new row after this many seconds (default 450 on CUDA)",
     )
     ap.add_argument("--no-progress", action="store_true")

@@ -14,7 +14,8 @@ The entry point names a selector class (a frozen dataclass with `name`, `knob`, 
 `knob_range`, `block_size`, `is_dense`, `select`, `with_knob`, `fields` and a `MethodInfo` as
 `info`; see docs/design.md §3). `conformance.check_selector` checks it when it loads (the
 attributes, the knob range against the knob's own check, one `select` on a small input); a plugin
-that fails to load or to pass is skipped with one line on stderr naming it and what to fix.
+that fails to load or to pass is skipped with one line on stderr naming it and what to fix. Every
+selection a plugin returns later is checked before it is used (`conformance.guard_selections`).
 Everything else the harness shows about a method is read from the class through `info(name)`.
 """
 
@@ -62,9 +63,12 @@ def _plugins(taken: set[str]) -> list[type]:
     """The selector classes that installed distributions register under ENTRY_POINT_GROUP and
     that pass `conformance.check_selector`; a broken one is reported in one line and skipped."""
     from rbs_bench import plugins
-    from rbs_bench.methods.conformance import check_selector
+    from rbs_bench.methods.conformance import check_selector, guard_selections
 
-    return list(plugins.load(ENTRY_POINT_GROUP, "method", check_selector, taken).values())
+    found = plugins.load(ENTRY_POINT_GROUP, "method", check_selector, taken)
+    for name, cls in found.items():  # every selection checked before it is used (one line)
+        guard_selections(cls, f"method plugin {name!r} ({cls.__module__}.{cls.__qualname__})")
+    return list(found.values())
 
 
 def registry() -> dict[str, type]:

@@ -35,7 +35,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # Model fields that change how a prediction is computed, not what it is: not in a fingerprint.
 # A local checkpoint's path is how, too: its weights are named by their digest (weights_digest),
 # so the same weights moved, copied or staged to another node's disk resume their cells.
-HOW_FIELDS = ("ffn_chunk_tokens", "device_map", "compile", "path")
+HOW_FIELDS = ("ffn_chunk_tokens", "device_map", "compile", "path", "allow_pickle")
 RANDOM_FIELDS = ("random_init", "architecture", "seed")  # only a random-weight model's identity
 _LAZY = ("ATTN_IMPL", "PrefillRecorder", "install", "uninstall", "register")
 
@@ -78,6 +78,8 @@ def load(model_cfg, device="cpu"):
         model, tokenizer = _load_random(model_cfg, device, dtype)
         return _finish(model, model_cfg), tokenizer
     kwargs = {"dtype": dtype, "attn_implementation": hf_attention.ATTN_IMPL}
+    if not getattr(model_cfg, "allow_pickle", False):
+        kwargs["use_safetensors"] = True  # pickle weights run code when loaded (pickle_problem)
     device_map = _device_map(model_cfg, device)
     if device_map is not None:
         kwargs["device_map"] = device_map  # load the weights straight onto the accelerator(s)
@@ -322,6 +324,31 @@ def _content_sample(path: str, size: int, mtime_ns: int) -> str:
                 f.seek(size * i // 64)
                 h.update(f.read(4096))
     return h.hexdigest()
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")  # weights torch.load unpickles
+
+
+def pickle_problem(model_cfg) -> str | None:
+    """Why a local model directory cannot load as configured: its weights are pickle files only
+    (pytorch_model.bin, ...), which can run code when loaded; safetensors are required unless
+    `model.allow_pickle=true` says the user trusts them. None when that is not the case."""
+    if getattr(model_cfg, "allow_pickle", False) or _random_init(model_cfg):
+        return None
+    if _embedded(model_cfg) is not None:
+        return None
+    local = Path(_source(model_cfg)[0])
+    if not local.is_dir():
+        return None  # a hub id: from_pretrained(use_safetensors=True) refuses pickles itself
+    files = _weight_files(local)
+    pickles = [p.name for p in files if p.suffix in PICKLE_SUFFIXES]
+    if not pickles or any(p.suffix == ".safetensors" for p in files):
+        return None
+    return (
+        f"{local} holds its weights only as pickle files ({', '.join(pickles[:3])}), which can "
+        "run code when loaded; convert them to safetensors (save_pretrained with "
+        "safe_serialization=True), or set model.allow_pickle=true if you trust them"
+    )
 
 
 def check_local_files(directory) -> None:

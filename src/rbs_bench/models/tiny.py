@@ -151,6 +151,28 @@ def materialize(cache_dir: str | os.PathLike | None = None) -> Path:
     return save_once(cache_dir, f"tiny-qwen3-{config_hash()}", write)
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux reports it in /proc)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore it at once
+    os.umask(mask)
+    return mask
+
+
+def _umask_modes(folder: Path) -> None:
+    """Give a folder written here and everything in it the modes `open` and `mkdir` would give
+    under the umask (0o666 / 0o777 less it), whatever the writers chose."""
+    mask = _umask()
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 def save_once(cache_dir: str | os.PathLike | None, name: str, write) -> Path:
     """`<cache_dir>/<name>`, made by `write(tmp_dir)` and renamed into place if it is missing."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -161,7 +183,7 @@ def save_once(cache_dir: str | os.PathLike | None, name: str, write) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=root))
     try:
         write(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it owner-only; the cache may be shared
+        _umask_modes(tmp)  # mkdtemp and safetensors make them owner-only; the cache may be shared
         try:
             os.rename(tmp, target)
         except OSError:

@@ -622,7 +622,7 @@ def run(args) -> Path:
         seed=args.seed,
         tokenizer=bool(args.prompt_file),
     )
-    out_root = Path(args.out)
+    out_root = paths.confine(args.out)  # no write leaves it through a link
     try:
         for spec in specs:
             if spec is not None and spec != engine.spec:
@@ -643,7 +643,8 @@ def run(args) -> Path:
                 "prompt_file": args.prompt_file,
             }
             check_fingerprint(cell / paths.CELL_FILE, fingerprint)
-            store = RecordStore(cell / paths.RECORDS)
+            records = cell / paths.RECORDS
+            store = RecordStore(records, cell=paths.cell_identity(records))  # bound to its cell
             todo = [
                 (n, b, r)
                 for n in contexts

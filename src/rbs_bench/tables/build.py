@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from rbs_bench import paths
-from rbs_bench.errors import UserError
+from rbs_bench.errors import one_line, stop_on_signals
 from rbs_bench.records import write_atomic
 from rbs_bench.report import load_records
 from rbs_bench.tables import claims, timing
@@ -78,14 +78,20 @@ def main(argv: list[str] | None = None) -> int:
         "--paper-values", type=Path, default=None, help="default: <results>/paper/paper_values.csv"
     )
     args = ap.parse_args(argv)
+    stop_on_signals()
     values = args.paper_values or paths.paper_values_file(args.results)
-    try:
-        out = args.out or paths.tables_dir(args.results)
-        written = build_tables(args.results, out, values)
-        written += build_timing_tables(args.results, out)
-    except UserError as e:
-        print(f"rbs-bench: error: {e}", file=sys.stderr)
-        return 2
+    out = args.out or paths.tables_dir(args.results)
+    written: list[Path] = []
+
+    def build() -> None:
+        paths.results_folder(args.results)
+        paths.confine(out)
+        written.extend(build_tables(args.results, out, values))
+        written.extend(build_timing_tables(args.results, out))
+
+    status = one_line(build)
+    if status:
+        return status
     if not written:
         print(f"no run records under {args.results / 'runs'}", file=sys.stderr)
     print("\n".join(str(p) for p in written))

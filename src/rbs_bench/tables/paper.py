@@ -10,6 +10,7 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 
+from rbs_bench import paths
 from rbs_bench.errors import UserError
 
 PAPER_COLUMNS = ["table", "caption_short", "row", "column", "value", "unit", "tex_line", "bold"]
@@ -27,8 +28,7 @@ class PaperValues:
         path = Path(path)
         if not path.exists():
             raise UserError(f"{path} is missing; pass --paper-values with the paper's values file")
-        with open(path, newline="") as f:
-            rows = list(csv.DictReader(f))
+        rows = list(csv.DictReader(paths.read_text(path)))  # a regular file, never a FIFO
         return cls(path, {(r["table"], r["row"], r["column"]): r for r in rows})
 
     def get(self, table: str, row: str, column: str) -> str | None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from rbs_bench import benchmarks, methods
+from rbs_bench import benchmarks, methods, paths
 from rbs_bench.errors import UserError
 from rbs_bench.tables.layout import (
     Axis,
@@ -484,7 +484,7 @@ def load_calibrations(exp_dir: Path) -> pd.DataFrame:
 
     rows = []
     for path in sorted(Path(exp_dir).glob("*.yaml")):
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(paths.read_text(path)) or {}  # a regular file, never a FIFO
         for e in data.get("entries", []):
             rows.append({"method": data.get("method", path.stem), "source": str(path)} | e)
     return pd.DataFrame(rows)

@@ -71,7 +71,7 @@ def layers_run(row, missing_chunk: int = 0) -> tuple[bool, int]:
 
 
 def load_ttft(csv: Path) -> pd.DataFrame:
-    df = pd.read_csv(csv)
+    df = pd.read_csv(paths.read_text(csv))  # a regular file, never a FIFO
     if df.empty:
         raise UserError(f"{csv} has no rows")
     df["reached"] = df["target_reached"].map(as_bool)
@@ -89,7 +89,7 @@ def standalone_rows(folder: Path, tag: str, target: float = 0.05) -> pd.DataFram
     for f in files:
         if not f.exists():
             continue
-        df = pd.read_csv(f)
+        df = pd.read_csv(paths.read_text(f))
         col = f"speedup_vs_{STANDALONE_REFERENCE}"
         if col not in df or "target" not in df:
             continue
@@ -632,8 +632,8 @@ def plot_speedup(df: pd.DataFrame, standalone: pd.DataFrame | None, path: Path) 
         fontsize=9,
     )
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = paths.check_inside(path)  # no write through a link out of the results folder
+    paths.make_dirs(path.parent)
     fig.savefig(path)
     plt.close(fig)
     return path

@@ -313,6 +313,30 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _load_checkpoint(path: Path) -> dict:
+    """The checkpoint a run of this command wrote: tensors, numbers and containers only
+    (`weights_only=True`), so a planted file cannot run code; anything else is a UsageError
+    naming the file."""
+    import pickle
+
+    import torch
+
+    try:
+        got = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"{path} is not a checkpoint this command wrote ({why[:160]}); it was not loaded: "
+            "delete it to start over, or use another --out"
+        ) from None
+    if not isinstance(got, dict) or not {"model", "optimizer", "step", "elapsed_s"} <= set(got):
+        raise UsageError(
+            f"{path} is not a checkpoint this command wrote (not its model, optimizer and step); "
+            "delete it to start over, or use another --out"
+        )
+    return got
+
+
 def _truncate_log(path: Path, step: int) -> None:
     """Drop log lines past `step` (they are recomputed after a resume)."""
     if not path.exists():
@@ -514,7 +538,7 @@ def train(s: Settings, stop_at: int | None = None, progress: bool = True) -> Pat
                 f"use another --out or delete it"
             )
         s = Settings(**mine)
-        resumed = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        resumed = _load_checkpoint(ckpt_path)
     determinism = _enable_determinism(s, device) if s.deterministic else "off"
     if resumed is None and s.stages is None:
         s.stages = plan_stages(s, device, s.tokens_per_step, autocast)
