@@ -76,6 +76,16 @@ def test_a_changed_target_is_caught_from_the_records_without_cell_json(results):
     assert read_records(results / CELL / "records.jsonl")[0]["budget_target"] == 0.5
 
 
+def test_a_bf16_run_never_joins_a_float32_cell(results):
+    """The records name the model's dtype (its identity): a bf16 rerun of a float32 cell stops
+    before the model loads, and both files stay as they were."""
+    (results / CELL / "cell.json").unlink()
+    with pytest.raises(UserError) as e:
+        run_cell(_cfg(results, "model.dtype=bfloat16"), EXPERIMENT, NoModel())
+    assert "model.dtype='float32', but this run has model.dtype='bfloat16'" in str(e.value)
+    assert len(read_records(results / CELL / "records.jsonl")) == 1
+
+
 def test_every_record_is_compared_not_only_cell_json(results):
     """cell.json agrees with the run; the record made with another field does not."""
     path = results / CELL / "records.jsonl"
