@@ -35,7 +35,7 @@ def _write(out: Path, experiment: str, model: str, tables: list[Table]) -> list[
 def build_tables(results: Path, out: Path, paper_values: Path) -> list[Path]:
     """Write <out>/<experiment>_<model>.md and .tex for every results/runs/<experiment>/<model>."""
     pv = PaperValues.load(paper_values)
-    written = []
+    written, loaded = [], {}
     for exp_dir in paths.experiment_dirs(results):
         experiment, model = exp_dir.parent.name, exp_dir.name
         if experiment in LOADERS:
@@ -46,7 +46,7 @@ def build_tables(results: Path, out: Path, paper_values: Path) -> list[Path]:
                 continue
             written += _write(out, experiment, model, spec.build(df, experiment, model, pv))
             continue
-        df = load_records(exp_dir)
+        df = loaded[experiment, model] = load_records(exp_dir)
         missing = sorted(NEEDED - set(df.columns))
         if missing:  # e.g. observations: its records sit beside, not under, <method>/<budget>
             what = f"lack {', '.join(missing)}" if len(df) else "none at <method>/<budget>/"
@@ -54,7 +54,7 @@ def build_tables(results: Path, out: Path, paper_values: Path) -> list[Path]:
             continue
         tables = spec_for(experiment).build(df, experiment, model, pv)
         written += _write(out, experiment, model, tables)
-    return written + claims.build(results, out, pv)
+    return written + claims.build(results, out, pv, loaded)
 
 
 def build_timing_tables(results: Path, out: Path) -> list[Path]:

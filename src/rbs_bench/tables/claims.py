@@ -139,17 +139,19 @@ def decide(claims: list[Claim]) -> None:
 
 
 class Runs:
-    """The run records of one model, loaded once per experiment."""
+    """The run records of one model, loaded once per experiment (`loaded`: the frames the
+    tables already read, by (experiment, model))."""
 
-    def __init__(self, results: Path, model: str):
-        self.results, self.model, self._cache = Path(results), model, {}
+    def __init__(self, results: Path, model: str, loaded: dict | None = None):
+        self.results, self.model, self.loaded = Path(results), model, loaded or {}
         self.used: dict[str, int] = {}  # records file -> records read, of the picked experiments
 
     def records(self, experiment: str) -> pd.DataFrame:
-        if experiment not in self._cache:
+        key = (experiment, self.model)
+        if key not in self.loaded:
             d = paths.runs_dir(self.results) / experiment / self.model
-            self._cache[experiment] = load_records(d) if d.is_dir() else pd.DataFrame()
-        return self._cache[experiment]
+            self.loaded[key] = load_records(d) if d.is_dir() else pd.DataFrame()
+        return self.loaded[key]
 
     def pick(self, experiment: str) -> tuple[str, pd.DataFrame]:
         """(name, records) of the experiment's long setting where it has records, else its own."""
@@ -424,10 +426,12 @@ def _speed_claim(what: str, fig: str, paper: str, ours: float, where: str) -> Cl
 # The table
 
 
-def claims_of(results: Path, model: str, pv: PaperValues) -> tuple[list[Claim], list]:
+def claims_of(
+    results: Path, model: str, pv: PaperValues, loaded: dict | None = None
+) -> tuple[list[Claim], list]:
     """The claims with evidence on `model`, decided, and the (records file, count) they read;
     ([], []) where no claim has records of this model."""
-    runs = Runs(results, model)
+    runs = Runs(results, model, loaded)
     builders: list[Callable[[], list[Claim]]] = [
         lambda: budget_claims(runs, pv),
         lambda: selector_claims(runs, pv),
@@ -498,12 +502,14 @@ def table(claims: list[Claim], model: str, sources: list) -> Table:
     )
 
 
-def build(results: Path, out: Path, pv: PaperValues) -> list[Path]:
-    """claims_<model>.md and .tex for every model with records of a claim's experiment."""
+def build(results: Path, out: Path, pv: PaperValues, loaded: dict | None = None) -> list[Path]:
+    """claims_<model>.md and .tex for every model with records of a claim's experiment
+    (`loaded`: the record frames already read, by (experiment, model), so none is read twice)."""
     models = sorted({d.name for d in paths.experiment_dirs(results)})
+    loaded = {} if loaded is None else loaded
     written = []
     for model in models:
-        claims, sources = claims_of(Path(results), model, pv)
+        claims, sources = claims_of(Path(results), model, pv, loaded)
         if not claims:
             continue
         t = table(claims, model, sources)
