@@ -157,7 +157,7 @@ def rows_for(path: str, fams: dict, layer_ms: float, gemm_ms: float, common: dic
 
 
 def run(args) -> pd.DataFrame:
-    from rbs_bench.bench import ttft
+    from rbs_bench.bench import ttft_model, ttft_setup
     from rbs_bench.bench.attention import gpu_tag
     from rbs_bench.models.fastpath import decoder_layers
 
@@ -181,10 +181,10 @@ def run(args) -> pd.DataFrame:
     rows: list[dict] = []
     for path in args.paths:
         tc.compile = path == "compiled"
-        s = ttft.resolve(tc, "cuda", out=Path(args.out), progress=False)
+        s = ttft_setup.resolve(tc, "cuda", out=Path(args.out), progress=False)
         t0 = time.perf_counter()
-        lm = ttft.build_model(s)
-        ids = ttft.prompts(s, args.context, lm.vocab)[:1].to(lm.device)
+        lm = ttft_model.build_model(s)
+        ids = ttft_model.prompts(s, args.context, lm.vocab)[:1].to(lm.device)
         common = {
             "gpu": torch.cuda.get_device_name(),
             "model": s.model,
