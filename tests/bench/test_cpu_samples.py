@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pandas as pd
+import yaml
 
 from rbs_bench.bench import cpu_samples
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_every_method_runs_the_same_samples_and_is_compared_with_dense(tmp_path, capsys):
@@ -29,3 +34,14 @@ def test_an_unknown_method_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nosuch" in err[0], err
     assert not (tmp_path / "cpu_samples_cpu.csv").exists()
+
+
+def test_the_methods_are_the_experiments_grid():
+    """Dense (the reference cell, at its own budget) first, then the sweep's methods in order."""
+    conf = yaml.safe_load((ROOT / "conf" / "experiment" / "ruler_budget.yaml").read_text())
+    sweep = conf["hydra"]["sweeper"]["params"]["method"].split(",")
+    reference = [dict(o.split("=") for o in cell.split()) for cell in conf["reference"]]
+    got = cpu_samples.grid_budgets("ruler_budget", "d30")
+    assert list(got) == [r["method"] for r in reference] + sweep
+    assert got[reference[0]["method"]] == reference[0]["budget"]
+    assert all(got[m] == "d30" for m in sweep)

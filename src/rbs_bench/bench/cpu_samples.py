@@ -7,7 +7,9 @@ The quick start (`make quickstart`, `+experiment=ruler_budget`) runs each cell i
 moment of the machine lands on one method. Here one process loads the embedded model once and runs
 each sample with every method in turn, as the runner does (`models.generate` with the attention
 hook installed, `recall=true`), using the committed calibrations of `--budget`
-(results/calibration/<model>/). Two times per sample: `wall` is what the sample costs the run
+(results/calibration/<model>/). The methods are the experiment's grid (`--experiment`, default
+ruler_budget): its reference cells (dense at `budget=default`) first, then the methods of its
+sweep, each at `--budget`. Two times per sample: `wall` is what the sample costs the run
 (selector, executor and the recall pass, which measures the kept share of the dense attention mass
 with one more dense pass per layer), `request` is the prefill and decode alone, as the records'
 `ttft_s` and `generate_s` count them (the runner leaves the recall pass out). It prints each
@@ -25,20 +27,41 @@ from pathlib import Path
 import torch
 
 from rbs_bench.errors import UserError, one_line
+from rbs_bench.methods import DENSE
 from rbs_bench.paths import speed_dir
 
-METHODS = ("dense", "flashprefill", "xattn", "flexprefill", "minference", "rbs", "oracle")
+EXPERIMENT = "ruler_budget"  # the quick start's grid
 
 
-def measure(methods: list[str], budget: str, samples: int, device: str) -> list[dict]:
-    """Per method: the seconds of each sample (the same samples for every method)."""
+def grid_budgets(experiment: str, budget: str) -> dict[str, str]:
+    """Method -> budget of the experiment's grid, in its order: each reference cell's method at
+    its own budget (the table's reference line), then each method of the sweep at `budget`."""
+    from rbs_bench.config import compose_cell, override_key, reference_cells, sweep_cells
+
+    cfg = compose_cell([f"+experiment={experiment}"], hydra_config=True)
+    values = lambda cell: {override_key(o): o.split("=", 1)[1] for o in cell}
+    out: dict[str, str] = {}
+    for cell in map(values, reference_cells(cfg, [])):
+        out.setdefault(cell["method"], cell.get("budget", "default"))
+    for cell in map(values, sweep_cells(cfg.hydra.sweeper.get("params"), [])):
+        if "method" in cell:
+            out.setdefault(cell["method"], budget)
+    return out
+
+
+def measure(
+    names: list[str], budgets: dict[str, str], samples: int, device: str, experiment: str
+) -> list[dict]:
+    """Per method: the seconds of each sample (the same samples for every method), each method at
+    its budget (`budgets`; `grid_budgets` gives the experiment's); with dense among them, each
+    median over dense's."""
     from rbs_bench.config import compose_cell
     from rbs_bench.models.generate import eos_ids, greedy_generate
     from rbs_bench.models.hf_attention import install, uninstall
     from rbs_bench.session import Session, build_selector, model_inputs
 
-    base = ["+experiment=ruler_budget", f"device={device}", f"benchmark.num_samples={samples}"]
-    budgets = {m: "default" if m == "dense" else budget for m in methods}
+    base = [f"+experiment={experiment}", f"device={device}", f"benchmark.num_samples={samples}"]
+    methods = list(names)
     cfgs = {m: compose_cell([*base, f"method={m}", f"budget={budgets[m]}"]) for m in methods}
     session = Session()
     first = cfgs[methods[0]]
@@ -76,17 +99,18 @@ def measure(methods: list[str], budget: str, samples: int, device: str) -> list[
             request_s=round(med(request[m]), 4), torch=torch.__version__,
             time=time.strftime("%Y-%m-%dT%H:%M:%S"),
         )  # fmt: skip
-        if "dense" in wall:
-            row["wall_over_dense"] = round(med(wall[m]) / med(wall["dense"]), 3)
-            row["request_over_dense"] = round(med(request[m]) / med(request["dense"]), 3)
+        if DENSE in wall:
+            row["wall_over_dense"] = round(med(wall[m]) / med(wall[DENSE]), 3)
+            row["request_over_dense"] = round(med(request[m]) / med(request[DENSE]), 3)
         rows.append(row)
     return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--methods", nargs="+", default=list(METHODS))
-    ap.add_argument("--budget", default="d25")
+    ap.add_argument("--experiment", default=EXPERIMENT, help="whose grid (default %(default)s)")
+    ap.add_argument("--methods", nargs="+", help="default: the experiment's grid, in its order")
+    ap.add_argument("--budget", default="d25", help="the sweep's budget (default %(default)s)")
     ap.add_argument("--samples", type=int, default=6)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="folder of the CSV (default results/speed)")
@@ -99,7 +123,10 @@ def _run(args) -> int:
 
     if args.samples < 1:
         raise UserError(f"--samples {args.samples}: at least 1")
-    rows = measure(args.methods, args.budget, args.samples, args.device)
+    grid = grid_budgets(args.experiment, args.budget)
+    names = args.methods or list(grid)
+    budgets = {m: grid.get(m, args.budget) for m in names}
+    rows = measure(names, budgets, args.samples, args.device, args.experiment)
     df = pd.DataFrame(rows)
     out = Path(args.out) if args.out else speed_dir("results")
     out.mkdir(parents=True, exist_ok=True)
