@@ -20,6 +20,8 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from rbs_bench.methods import DENSE
+
 # RULER tasks that need no downloaded data, and those that need an essay haystack.
 OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
 ESSAY_TASKS = (
@@ -46,7 +48,7 @@ def job_command(
         sys.executable,
         "-m",
         "rbs_bench",
-        "method=dense",
+        f"method={DENSE}",
         f"model.hf_id={model}",
         f"benchmark.tasks=[{','.join(tasks)}]",
         f"benchmark.context_lengths=[{length}]",
