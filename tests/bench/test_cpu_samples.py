@@ -14,15 +14,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_method_runs_the_same_samples_and_is_compared_with_dense(tmp_path, capsys):
     assert cpu_samples.main(
-        ["--samples", "2", "--methods", "dense", "rbs", "minference", "--out", str(tmp_path)]
+        ["--samples", "2", "--methods", "dense", "rbs", "minference", "--out", str(tmp_path),
+         "--name", "mine", "--set", "benchmark.tasks=[niah_multikey_3]"]
     ) == 0  # fmt: skip
-    df = pd.read_csv(tmp_path / "cpu_samples_cpu.csv").set_index("method")
+    df = pd.read_csv(tmp_path / "mine.csv").set_index("method")
     assert list(df.index) == ["dense", "rbs", "minference"]
     assert (df["samples"] == 2).all() and (df["context_length"] == 4096).all()
     assert df.loc["dense", "wall_over_dense"] == 1.0 and df.loc["dense", "budget"] == "default"
     assert (df.loc[["rbs", "minference"], "budget"] == "d25").all()
     # the recall pass is part of the wall time and left out of the request's
     assert (df["request_s"] > 0).all() and (df["request_s"] <= df["wall_s"] + 1e-3).all()
+    # the prefill alone: the request less its decode
+    assert (df["prefill_s"] > 0).all() and (df["prefill_s"] < df["request_s"]).all()
+    assert (df["input_tokens"] == 3862).all() and (df["dtype"] == "float32").all()
     sparse = df.loc[["rbs", "minference"]]
     assert (sparse["request_s"] < sparse["wall_s"]).all()
     out = capsys.readouterr().out
