@@ -24,16 +24,18 @@ def test_every_generated_block_matches_the_committed_records():
     assert docs.stale(ROOT, RESULTS) == [], "run `make docs` and commit the rewritten files"
 
 
-def _copy_with(tmp_path: Path, edited: str) -> Path:
-    """A copy of the docs and the results, every results file linked except `edited`, copied."""
+def test_every_registered_block_is_used_and_every_used_block_is_registered():
+    used = {name for f in docs.doc_files(ROOT) for name in docs.names_in(f.read_text())}
+    assert used == set(docs.registry())
+
+
+def _copy_with(tmp_path: Path, page: str, edited: str) -> Path:
+    """A repository of one docs page, the config its blocks read, and the results, every file
+    linked to the committed one except `edited`, which is copied."""
     root = tmp_path / "repo"
-    for rel in [*docs.FILES, docs.DOCS_DIR, "conf/experiment/ruler_budget.yaml"]:
-        src, dst = ROOT / rel, root / rel
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
-    weights = "src/rbs_bench/tinylm/weights"
-    for name in ("stage1_run.json", "stage2_run.json", "train_log.jsonl"):
-        (root / weights / name).symlink_to(ROOT / weights / name)
+    for rel in [page, "conf/experiment/ruler_budget.yaml"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, root / rel)
     for path in RESULTS.rglob("*"):
         if path.is_dir():
             continue
@@ -49,7 +51,7 @@ def _copy_with(tmp_path: Path, edited: str) -> Path:
 
 def test_an_edited_record_makes_its_block_stale(tmp_path):
     edited = "results/speed/cpu_samples_cpu.csv"
-    root = _copy_with(tmp_path, edited)
+    root = _copy_with(tmp_path, "docs/quickstart.md", edited)
     assert docs.stale(root, root / "results") == []
     df = pd.read_csv(root / edited)
     df.loc[df["method"] == "dense", "request_s"] += 0.5  # a slower dense request

@@ -114,6 +114,22 @@ def sources_line(src: Sources, paths) -> str:
     return "From " + ", ".join(f"`{n}`" for n in names) + "."
 
 
+_MEMO: dict = {}
+
+
+def memo(key, fn):
+    """`fn()`, computed once per pass of `make docs` (docs.stale and docs.rewrite clear it):
+    several blocks read the same records. Callers must not modify what it returns."""
+    if key not in _MEMO:
+        _MEMO[key] = fn()
+    return _MEMO[key]
+
+
+def clear_memo() -> None:
+    """Forget what `memo` holds (records may have changed since)."""
+    _MEMO.clear()
+
+
 def read_csv(src: Sources, path: Path) -> pd.DataFrame:
     """A committed CSV (one line naming it where it is missing)."""
     return pd.read_csv(src.need(path))

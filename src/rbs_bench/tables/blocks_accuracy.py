@@ -14,7 +14,16 @@ from rbs_bench import methods, paths
 from rbs_bench.methods import DENSE
 from rbs_bench.methods.rbs import RBS
 from rbs_bench.report import load_records
-from rbs_bench.tables.blocks import MISSING, Sources, block, md_table, num, sources_line, times
+from rbs_bench.tables.blocks import (
+    MISSING,
+    Sources,
+    block,
+    md_table,
+    memo,
+    num,
+    sources_line,
+    times,
+)
 from rbs_bench.tables.blocks_speed import H100, H200, speed_table, standalone_at, ttft_rows
 from rbs_bench.tables.paper import PaperValues
 from rbs_bench.tables.render import Table, context_label
@@ -30,12 +39,20 @@ NOTE_RE = re.compile(r"over the table's (\d+) comparisons? \((\d+) resolved\)")
 INTERVAL_RE = re.compile(r"\[(-?[\d.]+), (-?[\d.]+)\]")
 
 
+def records(src: Sources, folder: Path) -> pd.DataFrame:
+    """The run records under an experiment's folder (read once per pass)."""
+    return memo(("records", str(folder)), lambda: load_records(src.need(folder)))
+
+
 def tables_of(src: Sources, experiment: str, model: str = TINY) -> tuple[list[Table], Path]:
     """The paper-layout tables of one experiment's records (as `make tables` builds them)."""
     folder = paths.runs_dir(src.results) / experiment / model
-    df = load_records(src.need(folder))
-    pv = PaperValues.load(paths.paper_values_file(src.results))
-    return SPECS[experiment].build(df, experiment, model, pv), folder
+
+    def build() -> list[Table]:
+        pv = PaperValues.load(paths.paper_values_file(src.results))
+        return SPECS[experiment].build(records(src, folder), experiment, model, pv)
+
+    return memo(("tables", str(folder)), build), folder
 
 
 def compact(t: Table) -> str:
@@ -78,8 +95,8 @@ def _resolved(t: Table) -> list[str]:
     ]
 
 
-def _devices(folder: Path) -> str:
-    df = load_records(folder)
+def _devices(src: Sources, folder: Path) -> str:
+    df = records(src, folder)
     gpu = df["gpu"].fillna("CPU") if "gpu" in df else pd.Series("CPU", index=df.index)
     return ", ".join(sorted(set(gpu.replace("", "CPU"))))
 
@@ -92,7 +109,7 @@ def accuracy_tables(src: Sources) -> str:
     for exp in ACCURACY:
         tables, folder = tables_of(src, exp)
         files.append(table_file(src, exp))
-        df = load_records(folder)
+        df = records(src, folder)
         cells = df.groupby(["method", "budget"]).size()
         widths = [w for t in tables for w in _intervals(t)]
         notes = [m for t in tables for n in t.notes for m in NOTE_RE.finditer(n)]
@@ -100,7 +117,7 @@ def accuracy_tables(src: Sources) -> str:
         got = sum(int(m.group(2)) for m in notes)
         widest = max(widths) if widths else None
         rows.append([
-            f"`{exp}`", _devices(folder), str(len(cells)), f"{len(df):,}",
+            f"`{exp}`", _devices(src, folder), str(len(cells)), f"{len(df):,}",
             f"{cells.min()}-{cells.max()}" if cells.min() != cells.max() else str(cells.min()),
             MISSING if widest is None else f"{widest[0]:.1f} ({widest[1]})",
             f"{got} of {made}" if notes else MISSING,
@@ -110,11 +127,11 @@ def accuracy_tables(src: Sources) -> str:
             resolved.append(f"- `{exp}`: " + "; ".join(marks) + ".")
     head = ["experiment", "ran on", "cells", "samples", "samples per cell"]
     head += ["widest 95% half-width (cell)", "comparisons resolved"]
-    text = md_table(head, rows) + "\n"
+    text = md_table(head, rows, keys=2) + "\n"
     headline = methods.display(methods.headline())
     text += f"Resolved differences from {headline} (row / column of each table):\n\n"
     text += "\n".join(resolved or ["- none"]) + "\n\n"
-    return text + "From the tables " + ", ".join(f"`{f}`" for f in files) + ".\n"
+    return text + "Full tables: " + ", ".join(f"`{f}`" for f in files) + ".\n"
 
 
 @block("ruler_budget_tiny")
@@ -139,14 +156,20 @@ def _accuracy_row(src: Sources) -> list[str]:
     for head, cell in zip(t.header[1:], first[1:]):
         acc = cell.ours[1] if len(cell.ours) > 1 else cell.ours[0]
         parts.append(f"{head} {acc}{'†' if cell.resolved else ''}")
-    df = load_records(folder)
+    df = records(src, folder)
     dense = df[df["method"] == DENSE]
     task = ", ".join(sorted(df["task"].unique()))
     n = context_label(int(df["context_length"].max()))
     what = f"RULER {task} at {n}, {first[0].ours[0]} target density, n={len(dense)} per cell"
     value = "; ".join(parts) + f"; dense {dense['score'].mean():.2f}"
-    return [what, f"embedded tiny model, {_devices(folder)}", value,
-            f"`{table_file(src, 'ruler_budget')}`"]  # fmt: skip
+    table = paths.tables_dir(src.results) / "ruler_budget_tiny.md"
+    return [what, f"embedded tiny model, {_devices(src, folder)}", value, _link(src, table)]
+
+
+def _link(src: Sources, path: Path) -> str:
+    """A link to a file, relative to the repository root (the README's folder)."""
+    rel = src.rel(path)
+    return f"[{Path(rel).name}]({rel})"
 
 
 @block("headline")
@@ -159,7 +182,7 @@ def headline(src: Sources) -> str:
             f"prefill attention, 128K, 5% ({family} inputs)", "H100, standalone kernels",
             f"RBS {r['total_ms']:.1f} ms: {times(r['speedup_vs_sdpa_fa2'], '.1f')} SDPA-FA2, "
             f"{times(r['speedup_vs_sdpa_cudnn'], '.1f')} SDPA-cuDNN",
-            f"`{src.rel(path)}`",
+            _link(src, path),
         ])  # fmt: skip
     for gpu, model, layers, chunk, label in (
         (H200, "qwen3_30b_a3b", 48, 0, "H200, Qwen3-30B-A3B shape, bf16, unchunked"),
@@ -174,7 +197,7 @@ def headline(src: Sources) -> str:
             f"TTFT, {layers} layers, 128K, batch 1, 5%", label,
             f"dense {num(d['ttft_ms'] / 1e3)} s, RBS {num(r['ttft_ms'] / 1e3)} s: "
             f"{times(r['ttft_speedup'])}",
-            f"`{src.rel(table or path)}`",
+            _link(src, table or path),
         ])  # fmt: skip
     rows.append(_accuracy_row(src))
     head = ["result", "hardware, model", "measured", "full table"]

@@ -14,12 +14,14 @@ from rbs_bench.methods import DENSE
 from rbs_bench.methods.oracle import Oracle
 from rbs_bench.methods.rbs import RBS
 from rbs_bench.models import memory
-from rbs_bench.scale import calibration_entries, run_cells
+from rbs_bench.scale import calibration_entries as _calibration_entries
+from rbs_bench.scale import run_cells as _run_cells
 from rbs_bench.tables.blocks import (
     MISSING,
     Sources,
     block,
     md_table,
+    memo,
     num,
     read_csv,
     sources_line,
@@ -41,6 +43,16 @@ def _estimate(
     """The memory estimate (GiB, on the busiest GPU) of a model's prefill of `context` tokens."""
     e = memory.estimate_model(model, context, batch, ffn_chunk_tokens=chunk or None, **kw)
     return f"{(e.total if gpus <= 1 else memory.per_gpu(e, gpus)) / memory.GiB:.1f}"
+
+
+def run_cells(results: Path) -> pd.DataFrame:
+    """One row per GPU cell of the records (`scale.run_cells`), read once per pass."""
+    return memo(("cells", str(results)), lambda: _run_cells(results))
+
+
+def calibration_entries(results: Path) -> pd.DataFrame:
+    """Every calibration entry with its cost (`scale.calibration_entries`), once per pass."""
+    return memo(("calibrations", str(results)), lambda: _calibration_entries(results))
 
 
 def _gib(mib) -> str:

@@ -52,16 +52,18 @@ def commands(src: Sources) -> str:
     rows = []
     for r in df.itertuples():
         minutes, seconds = divmod(round(r.wall_s), 60)
-        rows.append(
-            [f"`{r.command}`", f"{minutes} min {seconds:02d} s", f"{r.cpu_s:.0f} s", r.outcome]
-        )
+        rows.append([
+            f"`{r.command}`", r.outcome, f"{minutes} min {seconds:02d} s", f"{r.cpu_s:.0f} s",
+            f"{r.load:.1f}",
+        ])  # fmt: skip
     machine = f"{df['cores'].iloc[0]} cores, {df['machine'].iloc[0]}"
-    head = ["command", "wall", "CPU time", "outcome"]
+    head = ["command", "outcome", "wall", "CPU time", "load average at the start"]
     note = (
-        f"Measured on a fresh clone ({machine}, {df['date'].iloc[0]}); "
+        f"Measured one after the other on a fresh clone ({machine}, shared with other jobs, "
+        f"{df['date'].iloc[0]}, commit {df['commit'].iloc[0]}). "
         + sources_line(src, [path])
     )
-    return md_table(head, rows) + "\n" + note + "\n"
+    return md_table(head, rows, keys=2) + "\n" + note + "\n"
 
 
 @block("cpu_samples")

@@ -10,8 +10,8 @@ import pandas as pd
 
 from rbs_bench import paths
 from rbs_bench.methods import DENSE
-from rbs_bench.report import load_records
 from rbs_bench.tables.blocks import MISSING, Sources, block, md_table, num, read_csv, sources_line
+from rbs_bench.tables.blocks_accuracy import records
 from rbs_bench.tables.render import context_label
 
 WEIGHTS = Path("src") / "rbs_bench" / "tinylm" / "weights"
@@ -97,7 +97,7 @@ def tinylm_dense_records(src: Sources) -> str:
     for folder in paths.experiment_dirs(src.results):
         if folder.name != "tiny" or not (folder / DENSE).is_dir():
             continue
-        df = load_records(folder)
+        df = records(src, folder)
         if "method" not in df or "score" not in df:
             continue
         dense = df[(df["method"] == DENSE) & (df.get("benchmark") == "ruler")]

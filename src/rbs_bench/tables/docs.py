@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rbs_bench.errors import UserError, one_line
 from rbs_bench.records import write_atomic
-from rbs_bench.tables.blocks import BLOCKS, Sources
+from rbs_bench.tables.blocks import BLOCKS, Sources, clear_memo
 
 # The modules whose @block functions fill the registry (imported before any block is rendered).
 MODULES = (
@@ -86,6 +86,7 @@ def stale(root: Path, results: Path) -> list[str]:
     """One entry per block whose committed text differs from what the records produce, with the
     first differing lines."""
     src, out = Sources(Path(root), Path(results)), []
+    clear_memo()
     for path in doc_files(Path(root)):
         old = path.read_text(encoding="utf-8")
         new = render(old, src, src.rel(path))
@@ -108,6 +109,7 @@ def _bodies(text: str) -> list[tuple[str, str]]:
 def rewrite(root: Path, results: Path) -> list[Path]:
     """Rewrite every documentation file whose generated blocks changed; returns those files."""
     src, changed = Sources(Path(root), Path(results)), []
+    clear_memo()
     for path in doc_files(Path(root)):
         old = path.read_text(encoding="utf-8")
         new = render(old, src, src.rel(path))
