@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 TORCH_INDEX ?=
 EXTRAS ?= dev
 
-.PHONY: install quickstart ruler-budget test test-gpu lint report tables figures bench-attention gpu-check
+.PHONY: install quickstart ruler-budget test test-gpu lint report tables docs figures bench-attention gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -64,12 +64,18 @@ test-vllm: $(VLLM_VENV)/.installed
 
 # Every paper-layout table (Markdown + LaTeX) from the run records, ours beside the paper's values.
 # Reads $(RESULTS)/runs, calibration and speed; writes $(RESULTS)/tables/ and the GPU cost reports
-# $(RESULTS)/scale/<gpu>.md (never reruns a model).
+# $(RESULTS)/scale/<gpu>.md (never reruns a model); then, for the committed results/, the docs.
 RESULTS ?= results
 PAPER_VALUES ?= results/paper/paper_values.csv
 tables: install
 	$(PY) -m rbs_bench.tables --results $(RESULTS) --paper-values $(PAPER_VALUES)
 	$(PY) -m rbs_bench.scale --results $(RESULTS) --paper-values $(PAPER_VALUES)
+	$(if $(filter results,$(RESULTS)),$(MAKE) --no-print-directory docs)
+
+# Every generated block of README.md, docs/ and the model card, from the records under results/
+# (python -m rbs_bench.tables.docs; --check lists stale blocks without rewriting them).
+docs: install
+	$(PY) -m rbs_bench.tables.docs --root . --results results
 
 # Every figure from the run records: budget and length curves, Figure 1 (observations).
 figures: install

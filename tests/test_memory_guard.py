@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from rbs_bench import calibrate, methods, session
-from rbs_bench.bench import ttft
+from rbs_bench.bench import ttft_calibrate, ttft_measure, ttft_model, ttft_setup
 from rbs_bench.config import TimingCfg
 from rbs_bench.models import generate, tiny
 
@@ -53,7 +53,7 @@ def ids():
 
 @pytest.mark.slow
 def test_runner_prefill_keeps_the_last_logits_only(model, ids):
-    _, peak = ttft.cpu_peak_bytes(lambda: generate.greedy_generate(model, ids, 2, set()))
+    _, peak = ttft_measure.cpu_peak_bytes(lambda: generate.greedy_generate(model, ids, 2, set()))
     assert peak < KV_CACHE + LAYER, f"{peak / MiB:.0f} MiB"
 
 
@@ -62,7 +62,7 @@ def test_a_calibration_step_keeps_the_last_logits_only(model, ids):
     loaded = session.Loaded(model, None, torch.device("cpu"), {})
     base = methods.build("rbs", impl="torch")
     values = np.geomspace(0.1, 5.0, 33).tolist()
-    (dens, curves), peak = ttft.cpu_peak_bytes(
+    (dens, curves), peak = ttft_measure.cpu_peak_bytes(
         lambda: calibrate.probe(loaded, [ids], base, 1.0, values, "reference")
     )
     assert 0 < dens[0] < 1 and curves.shape == (1, len(values))
@@ -73,12 +73,14 @@ def test_a_calibration_step_keeps_the_last_logits_only(model, ids):
 def test_ttft_calibration_scores_one_layer_at_a_time(tmp_path):
     layers = SHAPE["num_hidden_layers"]
     cfg = TimingCfg(layers=layers, contexts=[N], methods=["rbs", "xattn"], target=0.6)
-    s = ttft.resolve(cfg, device="cpu", out=tmp_path, progress=False)
-    lm = ttft.build_model(s, overrides={k: v for k, v in SHAPE.items() if k != "num_hidden_layers"})
-    prompt = ttft.prompts(s, N, 256)[:1]
-    got, peak = ttft.cpu_peak_bytes(
+    s = ttft_setup.resolve(cfg, device="cpu", out=tmp_path, progress=False)
+    lm = ttft_model.build_model(
+        s, overrides={k: v for k, v in SHAPE.items() if k != "num_hidden_layers"}
+    )
+    prompt = ttft_model.prompts(s, N, 256)[:1]
+    got, peak = ttft_measure.cpu_peak_bytes(
         # no workspace measure: it profiles memory itself, and profilers do not nest
-        lambda: ttft.calibrate_methods(s, lm, prompt, ["rbs", "xattn"], set())
+        lambda: ttft_calibrate.calibrate_methods(s, lm, prompt, ["rbs", "xattn"], set())
     )
     assert set(got) == {"rbs", "xattn"}
     assert peak < LAYER, f"{peak / MiB:.0f} MiB"

@@ -64,6 +64,7 @@ from rbs_bench import methods, paths
 from rbs_bench.errors import UserError, deferred
 from rbs_bench.kernels.quest_select import top_fraction
 from rbs_bench.methods.mass import true_block_mass
+from rbs_bench.methods.oracle import Oracle
 from rbs_bench.methods.scorers import (
     LABELLED,
     SCORER_COLOURS,
@@ -77,7 +78,7 @@ from rbs_bench.report import markdown_table
 from rbs_bench.session import Session, input_ids, resolve_device
 
 QUINTILES = 5
-CEILING = "oracle"  # the coverage curve of keeping block pairs in descending true mass
+CEILING = Oracle.name  # the coverage curve of keeping block pairs in descending true mass
 ORACLE_GRID = np.unique(
     np.concatenate([[0.0], np.geomspace(1e-4, 1.0, 161), np.linspace(0, 1, 201)])
 )

@@ -9,7 +9,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from rbs_bench.bench import ttft
+from rbs_bench.bench import ttft_rows
 from rbs_bench.tables import timing
 from rbs_bench.tables.paper import PaperValues
 
@@ -70,7 +70,7 @@ def fake_rows(device: str, ns=(32768, 131072), batches=(1, 4)) -> pd.DataFrame:
                         "transformers": "5.17.0",
                     }
                 )
-    return ttft.derive(pd.DataFrame(rows))
+    return ttft_rows.derive(pd.DataFrame(rows))
 
 
 @pytest.fixture
@@ -187,7 +187,7 @@ def test_the_latest_full_way_a_model_ran_keeps_the_plain_table_name(results, tmp
         ffn_chunk_tokens=32768, run="2026-03-01T00:00:00"
     )
     rows = pd.concat([fast, eager, chunked])
-    ttft.derive(rows).to_csv(results / "speed" / "ttft_cpu.csv", index=False)
+    ttft_rows.derive(rows).to_csv(results / "speed" / "ttft_cpu.csv", index=False)
     out = tmp_path / "tables"
     names = {p.name for p in timing.build(results, out)}
     assert {"speed_cpu.md", "speed_cpu_eager_ffn16k.md", "speed_cpu_compiled_ffn32k.md"} <= names

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rbs_bench import methods
-from rbs_bench.bench import ttft
+from rbs_bench.bench import ttft, ttft_calibrate, ttft_measure, ttft_model, ttft_rows, ttft_setup
 from rbs_bench.config import TimingCfg, UserError
 from rbs_bench.models.hf_attention import install, uninstall
 
@@ -31,20 +31,20 @@ SMALL_MOE = {  # the Qwen3-30B-A3B config with its widths shrunk, for a CPU
 }
 
 
-def settings(tmp_path, **kw) -> ttft.Settings:
+def settings(tmp_path, **kw) -> ttft_setup.Settings:
     fields = {"contexts": [N], "batch_contexts": [N], "methods": ["dense", "rbs"]} | kw
     fields = {"repeats": 1, "warmup": 0} | fields
-    return ttft.resolve(TimingCfg(**fields), device="cpu", out=tmp_path, progress=False)
+    return ttft_setup.resolve(TimingCfg(**fields), device="cpu", out=tmp_path, progress=False)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     s = settings(tmp_path_factory.mktemp("tiny"))
-    return s, ttft.build_model(s)
+    return s, ttft_model.build_model(s)
 
 
 def ids_for(s, lm, n, batch=1):
-    return ttft.prompts(s, n, lm.vocab)[:batch]
+    return ttft_model.prompts(s, n, lm.vocab)[:batch]
 
 
 def test_timed_hook_keeps_sdpa_logits_and_times_prefill_only(tiny):
@@ -54,9 +54,9 @@ def test_timed_hook_keeps_sdpa_logits_and_times_prefill_only(tiny):
         got = lm.model(input_ids=ids, use_cache=False).logits
         lm.model.set_attn_implementation("sdpa")
         want = lm.model(input_ids=ids, use_cache=False).logits
-        lm.model.set_attn_implementation(ttft.TIMED_IMPL)
+        lm.model.set_attn_implementation(ttft_model.TIMED_IMPL)
         torch.testing.assert_close(got, want, atol=0, rtol=0)
-        out = ttft.request(lm, ids)
+        out = ttft_measure.request(lm, ids)
     # one attention span per layer for the prefill; the decode step (Lq = 1) is not timed
     assert len(lm.probe.spans["attention"]) == s.layers
     assert lm.probe.spans["selector"] == []
@@ -67,14 +67,14 @@ def test_timed_hook_keeps_sdpa_logits_and_times_prefill_only(tiny):
 def test_timed_selector_spans_sit_inside_attention(tiny):
     s, lm = tiny
     ids = ids_for(s, lm, 512)
-    rec = install(lm.model, ttft.TimedSelector(methods.build("rbs"), lm.probe), "reference")
-    lm.model.set_attn_implementation(ttft.TIMED_IMPL)
+    rec = install(lm.model, ttft_model.TimedSelector(methods.build("rbs"), lm.probe), "reference")
+    lm.model.set_attn_implementation(ttft_model.TIMED_IMPL)
     try:
         with torch.inference_mode():
-            out = ttft.request(lm, ids)
+            out = ttft_measure.request(lm, ids)
     finally:
         uninstall(lm.model)
-    assert lm.model.config._attn_implementation == ttft.TIMED_IMPL  # restored, not rbs_sparse
+    assert lm.model.config._attn_implementation == ttft_model.TIMED_IMPL  # restored, not rbs_sparse
     assert len(lm.probe.spans["selector"]) == len(lm.probe.spans["attention"]) == s.layers
     assert 0 < out["selector_ms"] < out["attention_ms"]
     assert rec.summary()["num_layers"] == s.layers
@@ -86,7 +86,7 @@ def test_captured_first_layer_gives_the_in_run_selection(tiny):
     s, lm = tiny
     ids = ids_for(s, lm, 640)
     seen = []
-    ttft.dense_prefill(lm, ids, lambda q, k, scale: seen.append((q, k, scale)))
+    ttft_measure.dense_prefill(lm, ids, lambda q, k, scale: seen.append((q, k, scale)))
     assert len(seen) == s.layers  # each layer handed over once, as the prefill reaches it
     q, k, scale = seen[0]
     assert q.shape == (1, lm.heads, 640, lm.head_dim)
@@ -109,38 +109,43 @@ def test_captured_first_layer_gives_the_in_run_selection(tiny):
 
 def test_calibration_streams_the_layers_and_meets_the_target_or_flags_the_floor(tmp_path):
     s = settings(tmp_path, target=0.6)
-    lm = ttft.build_model(s)
+    lm = ttft_model.build_model(s)
     ids = ids_for(s, lm, 4096)  # 32 blocks of 128: the forced blocks keep about 45% of pairs
     layers = []
-    ttft.dense_prefill(lm, ids, lambda q, k, scale: layers.append((q, k, scale)))
+    ttft_measure.dense_prefill(lm, ids, lambda q, k, scale: layers.append((q, k, scale)))
     # rbs's exact curve: one prefill gives the knob; xattn's grid: a few prefills
-    got = ttft.calibrate_methods(s, lm, ids, ["rbs", "xattn"], {"rbs"})
+    got = ttft_calibrate.calibrate_methods(s, lm, ids, ["rbs", "xattn"], {"rbs"})
     for name in ("rbs", "xattn"):
         cal = got[name]
-        assert cal.target_reached and abs(cal.calibration_density - 0.6) <= ttft.CALIBRATION_TOL
+        assert (
+            cal.target_reached
+            and abs(cal.calibration_density - 0.6) <= ttft_calibrate.CALIBRATION_TOL
+        )
         sel = methods.build(name, **cal.fields)
         mean = sum(sel.select(q, k, scale=c).density() for q, k, c in layers) / len(layers)
         assert mean == pytest.approx(cal.calibration_density, abs=1e-9)
     assert got["rbs"].selector_workspace_mib > 0 and got["xattn"].selector_workspace_mib is None
     # 5% is below the forced blocks alone: the closest density (the sparsest end), flagged
-    low = ttft.calibrate_methods(settings(tmp_path, target=0.05), lm, ids, ["rbs"], set())["rbs"]
+    low = ttft_calibrate.calibrate_methods(
+        settings(tmp_path, target=0.05), lm, ids, ["rbs"], set()
+    )["rbs"]
     floor = methods.build("rbs").with_knob(1 / 0.18)
     want = sum(floor.select(q, k, scale=c).density() for q, k, c in layers) / len(layers)
     assert not low.target_reached
     assert low.calibration_density == pytest.approx(want, abs=1e-9)
-    assert want > 0.05 + ttft.CALIBRATION_TOL
+    assert want > 0.05 + ttft_calibrate.CALIBRATION_TOL
 
 
 @pytest.mark.parametrize("name", ["rbs", "full_l2", "centroid", "flashprefill", "quest"])
 def test_block_statistics_hold_the_rule_per_block(name):
     hkv, n, d, block = 2, 1000, 64, 128
     k = torch.randn(1, hkv, n, d)
-    parts = dict(ttft.block_statistics(methods.build(name), k))
+    parts = dict(ttft_measure.block_statistics(methods.build(name), k))
     m = math.ceil(n / block)
     vectors = {"rbs": 1, "full_l2": 1, "centroid": 1, "flashprefill": 1, "quest": 2}[name]
     scalars = {"rbs": 2, "full_l2": 1}.get(name, 0)
     want = sum(4 * hkv * m * (d if t.dim() == 4 else 1) for t in parts.values())
-    assert ttft._tensor_bytes(list(parts.values())) == want
+    assert ttft_model.tensor_bytes(list(parts.values())) == want
     assert sum(t.dim() == 4 for t in parts.values()) == vectors
     assert sum(t.dim() == 3 for t in parts.values()) == scalars
     assert all(t.shape[:3] == (1, hkv, m) for t in parts.values())
@@ -148,9 +153,11 @@ def test_block_statistics_hold_the_rule_per_block(name):
 
 def test_methods_without_block_summaries_report_none():
     k = torch.randn(1, 2, 512, 64)
-    assert ttft.block_statistics(methods.build("xattn"), k) is None
-    assert ttft.block_statistics(methods.build("minference"), k) is None
-    assert ttft.block_statistics(methods.build("oracle"), k) is None  # it reads the attention
+    assert ttft_measure.block_statistics(methods.build("xattn"), k) is None
+    assert ttft_measure.block_statistics(methods.build("minference"), k) is None
+    assert (
+        ttft_measure.block_statistics(methods.build("oracle"), k) is None
+    )  # it reads the attention
 
 
 def test_cpu_peak_sees_a_freed_temporary():
@@ -158,7 +165,7 @@ def test_cpu_peak_sees_a_freed_temporary():
         tmp = torch.ones(1 << 20)  # 4 MiB, freed before returning
         return float(tmp.sum())
 
-    out, peak = ttft.cpu_peak_bytes(fn)
+    out, peak = ttft_measure.cpu_peak_bytes(fn)
     assert out == float(1 << 20)
     assert peak >= 4 * (1 << 20)
 
@@ -166,15 +173,15 @@ def test_cpu_peak_sees_a_freed_temporary():
 def test_selector_workspace_excludes_the_selection():
     q, k = torch.randn(1, 4, 2048, 64), torch.randn(1, 2, 2048, 64)
     selector = methods.build("rbs", impl="torch")
-    ws, index = ttft.selector_memory(selector, q, k)
+    ws, index = ttft_measure.selector_memory(selector, q, k)
     sel = selector.select(q, k)
-    assert index * ttft.MiB == ttft._tensor_bytes(sel)
+    assert index * ttft_model.MiB == ttft_model.tensor_bytes(sel)
     assert ws > 0
 
 
 def test_resolve_fills_cpu_defaults_and_rejects_bad_input(tmp_path):
-    s = ttft.resolve(TimingCfg(), device="cpu", out=tmp_path)
-    d = ttft.DEVICE_DEFAULTS["cpu"]
+    s = ttft_setup.resolve(TimingCfg(), device="cpu", out=tmp_path)
+    d = ttft_setup.DEVICE_DEFAULTS["cpu"]
     assert s.model == d["model"] and s.contexts == sorted(d["contexts"], reverse=True)
     assert s.repeats == d["repeats"] and s.batch_contexts == d["batch_contexts"]
     assert s.tag == "cpu"
@@ -190,9 +197,9 @@ def test_resolve_fills_cpu_defaults_and_rejects_bad_input(tmp_path):
     ]
     for fields, msg in bad:
         with pytest.raises(UserError, match=msg):
-            ttft.resolve(TimingCfg(**fields), device="cpu", out=tmp_path)
+            ttft_setup.resolve(TimingCfg(**fields), device="cpu", out=tmp_path)
     with pytest.raises(UserError, match="unknown executor"):
-        ttft.resolve(TimingCfg(), device="cpu", executor="fa9", out=tmp_path)
+        ttft_setup.resolve(TimingCfg(), device="cpu", executor="fa9", out=tmp_path)
 
 
 def test_plan_runs_batch_one_first_largest_context_first_dense_first(tmp_path):
@@ -204,7 +211,7 @@ def test_plan_runs_batch_one_first_largest_context_first_dense_first(tmp_path):
         batch_contexts=[512],
         batch_methods=["quest", "dense"],
     )
-    assert ttft.plan(s) == [
+    assert ttft_rows.plan(s) == [
         (1, 1024, "dense"),
         (1, 1024, "rbs"),
         (1, 1024, "quest"),
@@ -221,7 +228,7 @@ def test_run_writes_every_column_resumes_and_reuses_calibration(tmp_path, capsys
     first = ttft.run(s)
     assert len(first) == 2 and s.figure.stat().st_size > 10_000
     # batch 2 added later: only its rows run, with the recorded batch-1 calibration (no capture)
-    monkeypatch.setattr(ttft, "dense_prefill", lambda *a: pytest.fail("calibrated again"))
+    monkeypatch.setattr(ttft_calibrate, "dense_prefill", lambda *a: pytest.fail("calibrated again"))
     s = settings(tmp_path, batches=[1, 2])
     df = ttft.run(s)
     assert len(df) == 4 and set(df["status"]) == {"ok"}
@@ -229,7 +236,7 @@ def test_run_writes_every_column_resumes_and_reuses_calibration(tmp_path, capsys
     dense = df[(df["method"] == "dense") & (df["batch"] == 1)].iloc[0]
     # 2 key blocks of 128: the 2 sinks and the 4-block window already cover every causal pair
     assert rbs["density"] == 1.0 and rbs["calibration_density"] == 1.0
-    assert not ttft.as_bool(rbs["target_reached"])
+    assert not ttft_rows.as_bool(rbs["target_reached"])
     assert rbs["ttft_speedup"] == pytest.approx(dense["ttft_ms"] / rbs["ttft_ms"])
     assert rbs["attention_speedup"] == pytest.approx(dense["attention_ms"] / rbs["attention_ms"])
     assert rbs["sparse_attention_ms"] == pytest.approx(rbs["attention_ms"] - rbs["selector_ms"])
@@ -271,18 +278,18 @@ def test_a_run_killed_after_calibrating_times_its_rows_without_calibrating_again
     assert not s.csv.exists() and s.calibrations.exists()
     with s.calibrations.open("a") as f:
         f.write('{"model": "tiny", "n": 10')  # a line cut by the kill is passed over
-    lm = ttft.build_model(s)
-    saved = {m: cal for (_, m), cal in ttft.saved_calibrations(s, lm).items()}
+    lm = ttft_model.build_model(s)
+    saved = {m: cal for (_, m), cal in ttft_calibrate.saved_calibrations(s, lm).items()}
     monkeypatch.setattr(ttft, "time_row", real)
-    monkeypatch.setattr(ttft, "dense_prefill", lambda *a: pytest.fail("calibrated again"))
+    monkeypatch.setattr(ttft_calibrate, "dense_prefill", lambda *a: pytest.fail("calibrated again"))
     df = ttft.run(s)
     assert list(df["method"]) == ["rbs"] and df["block_stats_mib"].iloc[0] > 0
     # a calibration saved after the cut line stays whole
-    ttft.save_calibrations(s, lm, N + 1, saved)
-    assert set(ttft.saved_calibrations(s, lm)) == {(N, "rbs"), (N + 1, "rbs")}
+    ttft_calibrate.save_calibrations(s, lm, N + 1, saved)
+    assert set(ttft_calibrate.saved_calibrations(s, lm)) == {(N, "rbs"), (N + 1, "rbs")}
     # another target is another calibration
     other = settings(tmp_path, methods=["rbs"], target=0.5)
-    assert ttft.saved_calibrations(other, ttft.build_model(other)) == {}
+    assert ttft_calibrate.saved_calibrations(other, ttft_model.build_model(other)) == {}
 
 
 def test_time_budget_stops_before_the_next_row(tmp_path, capsys):
@@ -295,11 +302,11 @@ def test_time_budget_stops_before_the_next_row(tmp_path, capsys):
 def test_small_qwen3_moe_runs_the_moe_path(tmp_path):
     s = settings(tmp_path, contexts=[256], layers=1)
     s.model = "qwen3_30b_a3b"  # resolve() keeps this model for CUDA; build it small on the CPU
-    lm = ttft.build_model(s, overrides=SMALL_MOE)
+    lm = ttft_model.build_model(s, overrides=SMALL_MOE)
     assert type(lm.model).__name__ == "Qwen3MoeForCausalLM" and lm.dtype == "bfloat16"
     assert "random weights, 1 of 48 layers" in lm.description
     with torch.inference_mode():
-        out = ttft.request(lm, ids_for(s, lm, 256))
+        out = ttft_measure.request(lm, ids_for(s, lm, 256))
     assert out["ttft_ms"] > out["attention_ms"] > 0
 
 
@@ -346,7 +353,7 @@ def test_model_other_than_tiny_is_refused_by_the_experiments(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_one_layer_qwen3_30b_a3b_shape(tmp_path):
     cfg = TimingCfg(layers=1, contexts=[16384], methods=["dense", "rbs"], batches=[1], repeats=1)
-    s = ttft.resolve(cfg, device="cuda", out=tmp_path, progress=False)
+    s = ttft_setup.resolve(cfg, device="cuda", out=tmp_path, progress=False)
     df = ttft.run(s).set_index("method")
     assert set(df["status"]) == {"ok"}
     assert df.loc["rbs", "density"] < 1.0 and df.loc["rbs", "selector_ms"] > 0
@@ -367,17 +374,17 @@ def test_a_checkpoint_directory_is_timed_through_from_pretrained(tmp_path):
 
     ckpt = tmp_path / "ckpt"
     tiny.build_model(tiny.tiny_config(num_hidden_layers=3)).save_pretrained(ckpt)
-    s = ttft.resolve(
+    s = ttft_setup.resolve(
         TimingCfg(checkpoint=str(ckpt), model="tiny_ckpt", contexts=[256], methods=["dense"]),
         device="cpu",
         out=tmp_path,
         progress=False,
     )
     assert (s.model, s.layers, s.dtype) == ("tiny_ckpt", 3, "float32")
-    lm = ttft.build_model(s)
+    lm = ttft_model.build_model(s)
     assert "tiny_ckpt from the checkpoint ckpt" in lm.description
     with torch.inference_mode():
-        out = ttft.request(lm, ttft.prompts(s, 256, lm.vocab)[:1])
+        out = ttft_measure.request(lm, ttft_model.prompts(s, 256, lm.vocab)[:1])
     assert out["ttft_ms"] > 0
     # a Qwen3-32B checkpoint (the hub's config: 40,960 positions) gets YaRN to 128K, as runs do
     (tmp_path / "q32").mkdir()
@@ -387,7 +394,7 @@ def test_a_checkpoint_directory_is_timed_through_from_pretrained(tmp_path):
         )
     )
     q32 = TimingCfg(checkpoint=str(tmp_path / "q32"), model="qwen3_32b", contexts=[131072])
-    assert ttft.resolve(q32, device="cpu", out=tmp_path, progress=False).contexts == [131072]
+    assert ttft_setup.resolve(q32, device="cpu", out=tmp_path, progress=False).contexts == [131072]
     bad = TimingCfg(checkpoint=str(tmp_path / "none"), contexts=[256])
     with pytest.raises(UserError, match="cannot read .*config.json"):
-        ttft.resolve(bad, device="cpu", out=tmp_path, progress=False)
+        ttft_setup.resolve(bad, device="cpu", out=tmp_path, progress=False)

@@ -167,6 +167,7 @@ def time_row(n: int, rep_ms: int, heads: int = 32, kv_heads: int = 4, d: int = 1
     from rbs_bench.bench.attention import causal_flops, dense_fns, do_bench
     from rbs_bench.methods.mass import attention_recall, forget_block_mass, true_block_mass
     from rbs_bench.methods.oracle import Oracle
+    from rbs_bench.methods.rbs import RBS
 
     data = synthetic.generate(1, heads, kv_heads, n, d, seed=0, device="cuda", dtype=torch.bfloat16)
     q, k, v = data.q, data.k, data.v
@@ -184,7 +185,7 @@ def time_row(n: int, rep_ms: int, heads: int = 32, kv_heads: int = 4, d: int = 1
     oracle = Oracle(ratio=0.05, impl="triton")
     oracle.select(q, k)
     ms_select = do_bench(lambda: (forget_block_mass(), oracle.select(q, k)), rep_ms)
-    rbs = methods.build("rbs").select(q, k)
+    rbs = methods.build(RBS.name).select(q, k)
     attention_recall(q, k, rbs)
     ms_recall = do_bench(lambda: (forget_block_mass(), attention_recall(q, k, rbs)), rep_ms)
     mask = rbs.mask()
@@ -228,13 +229,14 @@ def recall_minference_row(n: int, heads: int = 32, kv_heads: int = 4, d: int = 1
     """Time and peak workspace of one recall pass over MInference's token pattern at context n
     (one event-timed call after a warm-up: a call takes seconds)."""
     from rbs_bench import methods, synthetic
+    from rbs_bench.baselines.minference import MInference
     from rbs_bench.methods.mass import attention_recall
 
     data = synthetic.generate(1, heads, kv_heads, n, d, seed=0, device="cuda", dtype=torch.bfloat16)
     q, k = data.q, data.k
-    pattern = methods.build("minference").select(q, k)
+    pattern = methods.build(MInference.name).select(q, k)
     short_q, short_k = q[..., :4096, :], k[..., :4096, :]  # warm-up: compile, allocate
-    attention_recall(short_q, short_k, methods.build("minference").select(short_q, short_k))
+    attention_recall(short_q, short_k, methods.build(MInference.name).select(short_q, short_k))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

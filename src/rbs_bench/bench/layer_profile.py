@@ -37,6 +37,7 @@ import torch
 
 from rbs_bench.bench.roofline import gemm_reference_ms
 from rbs_bench.config import TimingCfg, UserError
+from rbs_bench.methods import DENSE
 from rbs_bench.records import write_atomic
 
 PATHS = ("eager", "compiled")
@@ -157,7 +158,7 @@ def rows_for(path: str, fams: dict, layer_ms: float, gemm_ms: float, common: dic
 
 
 def run(args) -> pd.DataFrame:
-    from rbs_bench.bench import ttft
+    from rbs_bench.bench import ttft_model, ttft_setup
     from rbs_bench.bench.attention import gpu_tag
     from rbs_bench.models.fastpath import decoder_layers
 
@@ -176,15 +177,15 @@ def run(args) -> pd.DataFrame:
         layers=args.layers,
         contexts=[args.context],
         ffn_chunk_tokens=args.ffn_chunk_tokens,
-        methods=["dense"],
+        methods=[DENSE],
     )
     rows: list[dict] = []
     for path in args.paths:
         tc.compile = path == "compiled"
-        s = ttft.resolve(tc, "cuda", out=Path(args.out), progress=False)
+        s = ttft_setup.resolve(tc, "cuda", out=Path(args.out), progress=False)
         t0 = time.perf_counter()
-        lm = ttft.build_model(s)
-        ids = ttft.prompts(s, args.context, lm.vocab)[:1].to(lm.device)
+        lm = ttft_model.build_model(s)
+        ids = ttft_model.prompts(s, args.context, lm.vocab)[:1].to(lm.device)
         common = {
             "gpu": torch.cuda.get_device_name(),
             "model": s.model,
@@ -217,7 +218,7 @@ def run(args) -> pd.DataFrame:
     if csv.exists():
         old = pd.read_csv(csv)
         key = ["model", "n", "path", "method", "ffn_chunk_tokens"]
-        old = old.assign(method=old.get("method", "dense")).fillna({"method": "dense"})
+        old = old.assign(method=old.get("method", DENSE)).fillna({"method": DENSE})
         mine = set(df[key].itertuples(index=False, name=None))
         same = [tuple(r) in mine for r in old[key].itertuples(index=False, name=None)]
         df = pd.concat([old[[not x for x in same]], df], ignore_index=True)
@@ -250,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
     ap.add_argument("--ffn-chunk-tokens", type=int, default=TimingCfg().ffn_chunk_tokens)
-    ap.add_argument("--method", default="dense", help="the attention method profiled (dense)")
+    ap.add_argument("--method", default=DENSE, help="the attention method profiled (dense)")
     ap.add_argument("--knob", type=float, help="the method's knob (default: its own setting)")
     ap.add_argument("--out", type=Path, default=Path("results/speed"))
     args = ap.parse_args(argv)

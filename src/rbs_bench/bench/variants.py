@@ -44,6 +44,9 @@ from pathlib import Path
 
 import torch
 
+from rbs_bench.methods import DENSE
+from rbs_bench.methods.rbs import RBS
+
 DEVICE = "cuda"
 SHAPE = {"heads": 32, "kv_heads": 4, "head_dim": 128}  # the benchmark's 32 query / 4 KV heads
 LONG = 131072  # the length of the random pattern, the error comparison and the profile
@@ -141,7 +144,7 @@ def setup(family: str, n: int, seed: int = 0):
         1, SHAPE["heads"], SHAPE["kv_heads"], n, SHAPE["head_dim"],
         structure=synthetic.FAMILIES[family], seed=seed, device=DEVICE, dtype=torch.bfloat16,
     )  # fmt: skip
-    selector, density = calibrate("rbs", data.q, data.k, 0.05, tol=5e-4)
+    selector, density = calibrate(RBS.name, data.q, data.k, 0.05, tol=5e-4)
     return data.q, data.k, data.v, selector, selector.select(data.q, data.k), density
 
 
@@ -237,7 +240,7 @@ def time_selectors(rows: Rows, family, n, q, k, selector, t_end, attention_ms=No
             if cudnn_ms is not None:
                 totals["x_cudnn"] = cudnn_ms / total
         rows.add(
-            kind="selector", inputs=family, n=n, pattern="rbs", config=name, ms=ms,
+            kind="selector", inputs=family, n=n, pattern=RBS.name, config=name, ms=ms,
             differ_counts=int((got[0] != want[0]).sum()),
             differ_blocks=int((got[1] != want[1]).sum()), exact_share=exact / max(cand, 1),
             density=selector.select(q, k).density(), **totals,
@@ -282,7 +285,7 @@ def errors(rows: Rows, family, n, q, k, v, sel, configs):
         out = bsa._launch(q, k, v, *lists, None, False, None, as_config(cfg))
         err, rel = error_stats(out[:, :, dense.rows], ref)
         rows.add(
-            kind="errors", inputs=family, n=n, pattern="rbs", config=tag(cfg), err_sparse=err,
+            kind="errors", inputs=family, n=n, pattern=RBS.name, config=tag(cfg), err_sparse=err,
             err_sparse_rel=rel, **{k: v for k, v in shared.items() if k != "err_blocks"},
         )  # fmt: skip
 
@@ -310,15 +313,15 @@ def cmd_time(args) -> int:
         flops = 4.0 * SHAPE["heads"] * SHAPE["head_dim"] * n * (n + 1) / 2
         cudnn_tf = flops / dense["sdpa_cudnn"] / 1e9
         for name, ms in dense.items():
-            rows.add(kind="dense", inputs=family, n=n, pattern=name, config=name, ms=ms,
+            rows.add(kind=DENSE, inputs=family, n=n, pattern=name, config=name, ms=ms,
                      eff_tflops=flops / ms / 1e9)  # fmt: skip
         if "attention" in args.parts:
-            b = time_attention(rows, family, n, "rbs", q, k, v, sel, density, cudnn_tf, t_end)
+            b = time_attention(rows, family, n, RBS.name, q, k, v, sel, density, cudnn_tf, t_end)
             if b is not None:
                 best[f"{family}-{n}"] = (tag(b[0]), b[1], list(b[0]))
         if "selector" in args.parts:
             att_ms = tuned_attention_ms(q, k, v, sel)
-            rows.add(kind="tuned", inputs=family, n=n, pattern="rbs", config="autotuned",
+            rows.add(kind="tuned", inputs=family, n=n, pattern=RBS.name, config="autotuned",
                      ms=att_ms, eff_tflops=density * flops / att_ms / 1e9)  # fmt: skip
             time_selectors(rows, family, n, q, k, selector, t_end, att_ms, dense["sdpa_cudnn"])
         first = family == args.inputs[0]
@@ -504,12 +507,12 @@ def time_spaces(rows: Rows, family, n, q, k, v, sel, density, cudnn_tf) -> None:
             chosen = str(getattr(tuned, "best_config", ""))
         except Exception as e:
             print(f"space {name}: failed ({type(e).__name__}: {str(e)[:300]})", file=sys.stderr)
-            rows.add(kind="space", inputs=family, n=n, pattern="rbs", config=name,
+            rows.add(kind="space", inputs=family, n=n, pattern=RBS.name, config=name,
                      error=f"{type(e).__name__}: {str(e)[:200]}")  # fmt: skip
             continue
         tf = flops / ms / 1e9
         rows.add(
-            kind="space", inputs=family, n=n, pattern="rbs", config=name, ms=ms, eff_tflops=tf,
+            kind="space", inputs=family, n=n, pattern=RBS.name, config=name, ms=ms, eff_tflops=tf,
             pct_cudnn=tf / cudnn_tf, density=density, err_vs_fp32=err, chosen=chosen,
         )  # fmt: skip
 
@@ -550,11 +553,11 @@ def cmd_arch(args) -> int:
         dense = dense_ms(q, k, v)
         flops = 4.0 * SHAPE["heads"] * SHAPE["head_dim"] * n * (n + 1) / 2
         cudnn_tf = flops / dense["sdpa_cudnn"] / 1e9
-        rows.add(kind="dense", inputs=family, n=n, pattern="sdpa_cudnn", config="sdpa_cudnn",
+        rows.add(kind=DENSE, inputs=family, n=n, pattern="sdpa_cudnn", config="sdpa_cudnn",
                  ms=dense["sdpa_cudnn"], eff_tflops=cudnn_tf)  # fmt: skip
         time_spaces(rows, family, n, q, k, v, sel, density, cudnn_tf)
         time_attention(
-            rows, family, n, "rbs", q, k, v, sel, density, cudnn_tf, t_end, bsa.SM80_SPACE
+            rows, family, n, RBS.name, q, k, v, sel, density, cudnn_tf, t_end, bsa.SM80_SPACE
         )
         rows.add(kind="done", inputs=family, n=n, pattern="-", config="-")
         del q, k, v, sel

@@ -20,6 +20,8 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from rbs_bench.methods import DENSE
+
 # RULER tasks that need no downloaded data, and those that need an essay haystack.
 OFFLINE_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "vt", "cwe", "fwe")
 ESSAY_TASKS = (
@@ -46,7 +48,7 @@ def job_command(
         sys.executable,
         "-m",
         "rbs_bench",
-        "method=dense",
+        f"method={DENSE}",
         f"model.hf_id={model}",
         f"benchmark.tasks=[{','.join(tasks)}]",
         f"benchmark.context_lengths=[{length}]",
@@ -127,6 +129,24 @@ def collect(out: Path) -> dict[tuple[str, int], list[dict]]:
     return by_cell
 
 
+def summary_rows(out: Path) -> list[dict]:
+    """One row per (task, length): mean score and sample count, as table.csv holds them (the
+    embedded model's card reads its committed copy, results/tinylm/ruler_dense_<gpu>.csv)."""
+    cells = collect(out)
+    return [
+        {
+            "task": t,
+            "context_length": n,
+            "score": round(sum(r["score"] for r in recs) / len(recs), 1),
+            "samples": len(recs),
+            "haystack": "essay" if t in ESSAY_TASKS else "built in",
+        }
+        for (t, n), recs in sorted(
+            cells.items(), key=lambda kv: (kv[0][0] not in OFFLINE_TASKS, kv[0])
+        )
+    ]
+
+
 def table(out: Path) -> str:
     """Markdown: mean score per task and length (samples in brackets), and failure examples."""
     cells = collect(out)
@@ -158,7 +178,7 @@ def main(argv=None) -> None:
         prog="python -m rbs_bench.tinylm.evaluate", description=__doc__.splitlines()[0]
     )
     p.add_argument("--model", required=True, help="model directory (from_pretrained)")
-    p.add_argument("--out", required=True, help="results directory (records and table.md)")
+    p.add_argument("--out", required=True, help="results directory (records, table.md/.csv)")
     p.add_argument("--tasks", nargs="+", default=list(OFFLINE_TASKS))
     p.add_argument("--lengths", nargs="+", type=int, default=[4096, 8192, 16384])
     p.add_argument("--samples", type=int, default=20)
@@ -190,6 +210,11 @@ def main(argv=None) -> None:
         failed = [name for name, rc in run_jobs(args) if rc != 0]
     text = table(out)
     (out / "table.md").write_text(text + "\n")
+    rows = summary_rows(out)
+    if rows:
+        head = list(rows[0])
+        lines = [",".join(head)] + [",".join(str(r[k]) for k in head) for r in rows]
+        (out / "table.csv").write_text("\n".join(lines) + "\n")
     print(text)
     if failed:
         raise SystemExit(f"failed jobs: {', '.join(failed)}")

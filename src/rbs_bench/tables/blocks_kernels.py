@@ -1,0 +1,221 @@
+"""Generated blocks of docs/kernels.md: the sparse attention kernel's configurations and the
+selector's variants as measured (h100-i), the ncu profile of the tuned kernels (h100-k), the
+errors on large logits and the goals of the 128K runs (h100-j), all on one H100."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pandas as pd
+
+from rbs_bench.methods.rbs import RBS
+from rbs_bench.tables.blocks import Sources, block, md_table, num, pct, read_csv, sources_line
+from rbs_bench.tables.blocks_speed import H100, LONG, TARGET, standalone_at
+
+HEADS = 32  # query heads of the benchmark's shape: an attention grid is (N / 128) x heads tiles
+
+
+def _speed(src: Sources, name: str) -> Path:
+    return src.results / "speed" / name
+
+
+def _k(n: int) -> str:
+    return f"{int(n) // 1024}K"
+
+
+@block("kernel_variants")
+def kernel_variants(src: Sources) -> str:
+    """Every attention configuration of the h100-i run: ms (share of cuDNN's TFLOP/s) per N."""
+    path = _speed(src, f"attention_variants_{H100}.csv")
+    df = read_csv(src, path)
+    att = df[df["kind"] == "attention"]
+    att = att.assign(
+        inputs=att["inputs"].where(att["pattern"] == RBS.name, att["pattern"] + " blocks")
+    )
+    rows = []
+    for (inputs, config), grp in att.groupby(["inputs", "config"], sort=False):
+        at = grp.set_index("n")
+        rows.append([inputs, f"`{config}`"] + [
+            f"{at.loc[n, 'ms']:.2f} ({pct(at.loc[n, 'pct_cudnn'])})" if n in at.index else "–"
+            for n in (32768, 65536, LONG)
+        ])  # fmt: skip
+    for family in ("synthetic", "needles"):
+        cells = []
+        for n in (32768, 65536, LONG):
+            r, _ = standalone_at(src, family, n)
+            cells.append(f"{r['attention_ms']:.2f} ({pct(r['pct_cudnn'])})")
+        rows.append([family, "autotuned per length (h100-j)"] + cells)
+    head = ["selection", "configuration (h100-i)", "32K ms", "64K ms", "128K ms"]
+    key = (
+        "Configuration: query x key tile (bm, bn), warps (w), stages (st), register cap (r), "
+        "pointer or TMA loads, program order (o0: tiles of one head side by side; o1: a kv "
+        "head's query heads adjacent; o2: every head of a tile). Selection: RBS's on each input "
+        "family, or uniformly random blocks at the same density. "
+    )
+    files = [
+        path,
+        _speed(src, f"attention_{H100}.csv"),
+        _speed(src, f"attention_needles_{H100}.csv"),
+    ]
+    return md_table(head, rows, keys=2) + "\n" + key + sources_line(src, files) + "\n"
+
+
+@block("selector_variants")
+def selector_variants(src: Sources) -> str:
+    """The selector's launch variants of the h100-i run, ms per input family and N."""
+    path = _speed(src, f"attention_variants_{H100}.csv")
+    df = read_csv(src, path)
+    sel = df[df["kind"] == "selector"].pivot_table(
+        index="config", columns=["inputs", "n"], values="ms", aggfunc="last", sort=False
+    )
+    cols = [(f, n) for n in (32768, 65536, LONG) for f in ("synthetic", "needles")]
+    rows = [[f"`{c}`"] + [num(sel.loc[c].get(k), ".2f") for k in cols] for c in sel.index]
+    head = ["variant"] + [f"{f} {_k(n)}" for f, n in cols]
+    return md_table(head, rows) + "\n" + sources_line(src, [path]) + "\n"
+
+
+NCU = {  # the row of the ncu table -> (metric, format)
+    "duration (ms)": ("gpu__time_duration.sum", lambda v: f"{v / 1e6:.2f}"),
+    "tensor pipe active (% of peak)": (
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_elapsed", lambda v: f"{v:.0f}"),
+    "special-function pipe (XU) (%)": (
+        "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active", lambda v: f"{v:.0f}"),
+    "issue slots used (%)": (
+        "smsp__issue_active.avg.pct_of_peak_sustained_active", lambda v: f"{v:.0f}"),
+    "warps active per SM (average)": (
+        "sm__warps_active.avg.per_cycle_active", lambda v: f"{v:.1f}"),
+    "L2 hit rate (%)": ("lts__t_sector_hit_rate.pct", lambda v: f"{v:.0f}"),
+}  # fmt: skip
+STALLS = ("barrier", "wait", "long_scoreboard", "short_scoreboard", "gmma")
+
+
+def _ncu(path: Path) -> pd.DataFrame:
+    """The kernels of an ncu --page raw CSV (the tool's notes before the header dropped)."""
+    lines = path.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    df = pd.read_csv(io.StringIO("\n".join(lines[start:])), dtype=str)
+    return df.iloc[1:].reset_index(drop=True)  # the first row holds the units
+
+
+def _value(text: str) -> float:
+    return float(str(text).replace(",", ""))  # ncu prints thousands separators
+
+
+@block("ncu_tuned")
+def ncu_tuned(src: Sources) -> str:
+    """What bounds the tuned kernels: ncu's counters per kernel and context (h100-k)."""
+    path = _speed(src, f"attention_ncu_tuned_{H100}.csv")
+    df = _ncu(src.need(path))
+    attention = df["Kernel Name"].str.contains("sparse")
+    grid = df["Grid Size"].str.strip("()").str.split(",").str[0].astype(int)
+    # a selector kernel follows its attention kernel: it has the same context
+    n = (grid * 128 // HEADS).where(attention).ffill().astype(int)
+    labels = [
+        f"{'attention' if a else 'selector'} {_k(x)}" for a, x in zip(attention, n)
+    ]  # fmt: skip
+    order = sorted(range(len(df)), key=lambda i: (not attention[i], n[i]))
+    rows = []
+    for name, (metric, fmt) in NCU.items():
+        rows.append([name] + [fmt(_value(df.loc[i, metric])) for i in order])
+    stall = lambda i, s: _value(
+        df.loc[i, f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio"]
+    )
+    rows.append(["stall cycles per issue: " + " / ".join(STALLS).replace("_", " ")] + [
+        " / ".join(f"{stall(i, s):.1f}" for s in STALLS) for i in order
+    ])  # fmt: skip
+    head = [""] + [labels[i] for i in order]
+    return md_table(head, rows) + "\n" + sources_line(src, [path]) + "\n"
+
+
+@block("errors_128k")
+def errors_128k(src: Sources) -> str:
+    """Errors against fp32 at 128K on the sampled query blocks: the sparse kernel, PyTorch's bf16
+    SDPA over the same kept blocks, and dense SDPA (FA2, cuDNN)."""
+    rows, files = [], []
+    for family in ("synthetic", "needles"):
+        r, path = standalone_at(src, family, LONG)
+        files.append(path)
+        kinds = ("sparse", "masked_sdpa", "dense_fa2", "dense_cudnn")
+        cells = [f"{r[f'err_{k}']:.4f} / {r[f'err_{k}_rel']:.1e}" for k in kinds]
+        rows.append([family, *cells, f"{int(r['err_blocks'])}"])
+    head = ["inputs", "sparse kernel", "PyTorch bf16 SDPA, same kept blocks", "SDPA FA2, dense"]
+    head += ["SDPA cuDNN, dense", "query blocks"]
+    note = "Max abs error / largest relative L2 error of a row, against fp32 references. "
+    return md_table(head, rows, keys=1) + "\n" + note + sources_line(src, files) + "\n"
+
+
+def _verdict(values: list[float], ok) -> str:
+    met = sum(1 for v in values if ok(v))
+    return (
+        "met" if met == len(values) else "missed" if met == 0 else f"met in {met} of {len(values)}"
+    )
+
+
+@block("kernel_goals")
+def kernel_goals(src: Sources) -> str:
+    """The goals of the 128K work, checked on the attention run and the methods run (h100-j)."""
+    runs: dict[str, list[pd.Series]] = {}
+    files = []
+    for family, suffix in (("synthetic", ""), ("needles", "_needles")):
+        first, path = standalone_at(src, family, LONG)
+        m_path = _speed(src, f"methods_128k{suffix}_{H100}.csv")
+        methods_run = read_csv(src, m_path)
+        second = methods_run[methods_run["method"] == RBS.name].iloc[-1]
+        runs[family] = [first, second]
+        files += [path, m_path]
+    long_rows = {
+        f: [standalone_at(src, f, n)[0] for n in (65536, LONG, 262144)] for f in runs
+    }  # fmt: skip
+    mid_rows = {f: [standalone_at(src, f, n)[0] for n in (32768, 65536)] for f in runs}
+    goals = [
+        ("total >= 25x SDPA-FA2 at 128K", lambda r: r["speedup_vs_sdpa_fa2"], ".1f", "x",
+         lambda v: v >= 25, runs),
+        ("total >= 15x SDPA-cuDNN at 128K", lambda r: r["speedup_vs_sdpa_cudnn"], ".1f", "x",
+         lambda v: v >= 15, runs),
+        ("attention >= 85% of cuDNN at 128K", lambda r: 100 * r["pct_cudnn"], ".1f", "%",
+         lambda v: v >= 85, runs),
+        ("attention >= 75% of cuDNN at 32K-64K", lambda r: 100 * r["pct_cudnn"], ".1f", "%",
+         lambda v: v >= 75, mid_rows),
+        ("selector <= 2.0 ms at 128K", lambda r: r["selector_ms"], ".2f", " ms",
+         lambda v: v <= 2.0, runs),
+        ("selector <= 12% of the total at 64K-256K", lambda r: 100 * r["selector_share"], ".1f",
+         "%", lambda v: v <= 12, long_rows),
+        ("sparse error <= 2x dense SDPA's at 128K",
+         lambda r: r["err_sparse"] / r["err_dense_fa2"], ".2f", "x", lambda v: v <= 2,
+         {f: [runs[f][0]] for f in runs}),
+    ]  # fmt: skip
+    rows = []
+    for name, get, spec, unit, ok, where in goals:
+        cells, every = [], []
+        for family in runs:
+            vals = [float(get(r)) for r in where[family]]
+            every += vals
+            cells.append("; ".join(f"{v:{spec}}{unit}" for v in vals))
+        rows.append([name, *cells, _verdict(every, ok)])
+    head = ["goal (RBS at 5%, Triton executor)", "synthetic", "needles", "verdict"]
+    note = (
+        "At 128K the two values are the attention run and the methods run; at 32K-64K and "
+        "64K-256K one value per length. "
+    )
+    return md_table(head, rows, keys=1) + "\n" + note + sources_line(src, files) + "\n"
+
+
+@block("cudnn_rate_128k")
+def cudnn_rate_128k(src: Sources) -> str:
+    """Dense SDPA-cuDNN's rate at 128K in each H100 run, and the 5% problem's time at that rate."""
+    files, rows = [], []
+    names = [f"attention_{H100}.csv", f"attention_needles_{H100}.csv"]
+    names += [f"methods_128k_{H100}.csv", f"methods_128k_needles_{H100}.csv"]
+    names += [f"goals_128k_{H100}.csv", f"goals_128k_needles_{H100}.csv"]
+    for name in names:
+        path = _speed(src, name)
+        df = read_csv(src, path)
+        r = df[(df["method"] == "sdpa_cudnn") & (df["n"] == LONG)].iloc[-1]
+        files.append(path)
+        rows.append([
+            f"`{name}`", r["inputs"], f"{r['total_ms']:.1f}", f"{r['eff_tflops']:.0f}",
+            f"{r['total_ms'] * TARGET:.1f}",  # 5% of the dense FLOPs at the dense rate
+        ])  # fmt: skip
+    head = ["run", "inputs", "dense cuDNN ms", "dense cuDNN TFLOP/s", "5% of it at that rate, ms"]
+    return md_table(head, rows, keys=2) + "\n" + sources_line(src, files) + "\n"
