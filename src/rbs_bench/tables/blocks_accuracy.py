@@ -27,14 +27,19 @@ from rbs_bench.tables.blocks import (
 from rbs_bench.tables.blocks_speed import H100, H200, speed_table, standalone_at, ttft_rows
 from rbs_bench.tables.paper import PaperValues
 from rbs_bench.tables.render import Table, context_label
-from rbs_bench.tables.specs import SPECS
+from rbs_bench.tables.specs import spec_for
 
 TINY = "tiny"  # the embedded model's folder under results/runs
 # The embedded model's accuracy experiments, in the order docs/results.md lists them.
 ACCURACY = (
     "ruler_budget", "strict_density", "block_size", "thresholds", "ruler_main",
     "selector_ablation", "infinitebench", "longbench_v2",
+    "ruler_budget_16k", "strict_density_16k", "selector_ablation_16k", "block_size_16k",
+    "thresholds_16k",
 )  # fmt: skip
+DROP_RE = re.compile(
+    r"largest drop below it is (.+?)'s, ([\d.]+) points \(([\d.]+)%\), (so the table can)?"
+)
 NOTE_RE = re.compile(r"over the table's (\d+) comparisons? \((\d+) resolved\)")
 INTERVAL_RE = re.compile(r"\[(-?[\d.]+), (-?[\d.]+)\]")
 
@@ -50,7 +55,7 @@ def tables_of(src: Sources, experiment: str, model: str = TINY) -> tuple[list[Ta
 
     def build() -> list[Table]:
         pv = PaperValues.load(paths.paper_values_file(src.results))
-        return SPECS[experiment].build(records(src, folder), experiment, model, pv)
+        return spec_for(experiment).build(records(src, folder), experiment, model, pv)
 
     return memo(("tables", str(folder)), build), folder
 
@@ -101,6 +106,16 @@ def _devices(src: Sources, folder: Path) -> str:
     return ", ".join(sorted(set(gpu.replace("", "CPU"))))
 
 
+def _ranks(tables: list[Table]) -> str:
+    """The tables' discrimination notes in brief: the largest drop below dense, and whether it
+    lets the table rank methods (at least 10 points); – without a dense cell."""
+    found = [m for t in tables for n in t.notes if (m := DROP_RE.search(n))]
+    if not found:
+        return MISSING
+    method, drop, _, ranks = max(found, key=lambda m: float(m.group(2))).groups()
+    return f"{float(drop):.1f} points ({method}): {'ranks' if ranks else 'cannot rank'}"
+
+
 @block("accuracy_tables")
 def accuracy_tables(src: Sources) -> str:
     """Per accuracy experiment of the embedded model: its records, its narrowest n, its widest
@@ -120,13 +135,14 @@ def accuracy_tables(src: Sources) -> str:
             f"`{exp}`", _devices(src, folder), str(len(cells)), f"{len(df):,}",
             f"{cells.min()}-{cells.max()}" if cells.min() != cells.max() else str(cells.min()),
             MISSING if widest is None else f"{widest[0]:.1f} ({widest[1]})",
-            f"{got} of {made}" if notes else MISSING,
+            f"{got} of {made}" if notes else MISSING, _ranks(tables),
         ])  # fmt: skip
         marks = [r for t in tables for r in _resolved(t)]
         if marks:
             resolved.append(f"- `{exp}`: " + "; ".join(marks) + ".")
     head = ["experiment", "ran on", "cells", "samples", "samples per cell"]
     head += ["widest 95% half-width (cell)", "comparisons resolved"]
+    head += ["largest drop below dense at the sparsest setting"]
     text = md_table(head, rows, keys=2) + "\n"
     headline = methods.display(methods.headline())
     text += f"Resolved differences from {headline} (row / column of each table):\n\n"
@@ -263,3 +279,27 @@ def forced_share_4k(src: Sources) -> str:
     head = ["forced blocks", "sink blocks", "window blocks", "last query blocks"]
     head += ["share of the causal block pairs at 4K (B=128)"]
     return md_table(head, rows) + "\n" + sources_line(src, [conf]) + "\n"
+
+
+@block("seven_cells_16k")
+def seven_cells_16k(src: Sources) -> str:
+    """The seven 16K cells at d10 (dense and six methods, 60 samples each) timed on one GPU:
+    per run the wall time, the samples a second, and the medians of a sample's first token and
+    decoding (results/speed/seven_cells_16k_<gpu>.csv)."""
+    files = sorted(paths.speed_dir(src.results).glob("seven_cells_16k_*.csv"))
+    rows = []
+    for path in files:
+        df = pd.read_csv(path)
+        for run, g in df.groupby("run", sort=False):
+            wall = float(g["wall_s"].iloc[0])
+            samples = int(g["samples"].iloc[0])
+            tokens = g["new_tokens_median"].median()
+            rows.append([
+                str(g["gpu"].iloc[0]), run.replace("_", " "), str(int(g["processes"].iloc[0])),
+                f"{samples}", f"{wall:.1f} s", f"{samples / wall:.1f}",
+                f"{1000 * g['ttft_s_median'].median():.0f} ms",
+                f"{1000 * g['decode_s_median'].median():.0f} ms ({tokens:.0f} tokens)",
+            ])  # fmt: skip
+    head = ["GPU", "run", "processes", "samples", "wall", "samples/s", "first token (median)"]
+    head += ["decoding (median)"]
+    return md_table(head, rows, keys=2) + "\n" + sources_line(src, files) + "\n"

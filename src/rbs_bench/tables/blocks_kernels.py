@@ -219,3 +219,38 @@ def cudnn_rate_128k(src: Sources) -> str:
         ])  # fmt: skip
     head = ["run", "inputs", "dense cuDNN ms", "dense cuDNN TFLOP/s", "5% of it at that rate, ms"]
     return md_table(head, rows, keys=2) + "\n" + sources_line(src, files) + "\n"
+
+
+@block("fp8_gemm_h100")
+def fp8_gemm_h100(src: Sources) -> str:
+    """`bench.fp8_gemm` on one H100: each FP8 layer's product at its largest token count as the
+    model calls it (cuBLAS's block-scaled GEMM where it takes the shape, else Triton), its parts,
+    and bf16 cuBLAS on the same rows; the checks passed; the sum of a layer's products."""
+    path = _speed(src, f"fp8_gemm_{H100}.csv")
+    df = read_csv(src, path)
+    checks = df[df["kind"] == "check"]
+    times = df[df["kind"] == "time"]
+    times = times[times["tokens"] == times["tokens"].max()]
+    rows, fp8, bf16 = [], 0.0, 0.0
+    for _, r in times.iterrows():
+        base = r["ms_bf16_cublas"] if pd.notna(r.get("ms_bf16_cublas")) else r["ms_bf16_grouped_mm"]
+        runs = "cuBLAS" if pd.notna(r.get("ms_fp8_cublas_block")) else "Triton"
+        copies = 2 if r["layer"] == "k" else 1  # v has k's shape
+        fp8, bf16 = fp8 + copies * r["ms_fp8"], bf16 + copies * base
+        rows.append([
+            f"{r['layer']}{' (and v)' if copies == 2 else ''}", runs,
+            f"{num(r['ms_fp8'], '.2f')} ({num(r['tflops_fp8'], '.0f')})",
+            num(r["ms_fp8_quant"], ".2f"), num(r.get("ms_fp8_cublas_block_gemm"), ".2f"),
+            num(r["ms_fp8_gemm"], ".2f"), f"{num(base, '.2f')}", f"{base / r['ms_fp8']:.2f}x",
+        ])  # fmt: skip
+    head = ["layer", "runs on", "FP8 ms (TFLOP/s)", "its quantisation", "cuBLAS product alone"]
+    head += ["Triton product alone", "bf16 ms", "bf16 / FP8"]
+    passed = int((checks["check"] == "PASS").sum())
+    tokens = int(times["tokens"].max()) if len(times) else 0
+    return (
+        md_table(head, rows)
+        + f"\nAt {tokens:,} tokens; a layer's products: FP8 {fp8:.1f} ms, bf16 {bf16:.1f} ms "
+        f"({fp8 / bf16:.2f}x). Checks against the reference: {passed} of {len(checks)} pass. "
+        + sources_line(src, [path])
+        + "\n"
+    )

@@ -29,6 +29,7 @@ MODULES = (
     "rbs_bench.tables.blocks_cluster",
     "rbs_bench.tables.blocks_kernels",
     "rbs_bench.tables.blocks_tinylm",
+    "rbs_bench.tables.blocks_claims",
 )
 # The documentation files, relative to the repository root (docs/ is globbed).
 FILES = ("README.md", "src/rbs_bench/tinylm/weights/README.md")
