@@ -102,9 +102,11 @@ def paired_evidence(a: pd.DataFrame, b: pd.DataFrame, column: str, scale: float,
     return Evidence(len(both), float(d.mean()), lo, hi, p, detail, setting)
 
 
-def proportion_evidence(k1: int, n1: int, k2: int, n2: int, setting: str) -> Evidence | None:
-    """Evidence that share k1/n1 exceeds k2/n2 (two independent proportions, normal
-    approximation), in percentage points; None where a side has no blocks."""
+def proportion_evidence(a: pd.Series, b: pd.Series, setting: str) -> Evidence | None:
+    """Evidence that the share `underestimated / top_blocks` of row `a` (a scorer's quintile of
+    the observations) exceeds row `b`'s: two independent proportions, normal approximation, in
+    percentage points; None where a side has no blocks."""
+    k1, n1, k2, n2 = (int(r[c]) for r in (a, b) for c in ("underestimated", "top_blocks"))
     if not (n1 and n2):
         return None
     p1, p2 = k1 / n1, k2 / n2
@@ -345,25 +347,13 @@ def dilution_claims(results: Path, model: str, pv: PaperValues) -> list[Claim]:
             "the centroid's rank underestimation grows with block radius (Q5 above Q1)",
             "fig:observations_b",
             "grows with radius (no values given)",
-            proportion_evidence(
-                int(q5["underestimated"]),
-                int(q5["top_blocks"]),
-                int(q1["underestimated"]),
-                int(q1["top_blocks"]),
-                where,
-            ),  # fmt: skip
+            proportion_evidence(q5, q1, where),
         ),
         Claim(
             f"{display(head)}'s rescue score underestimates Q5 blocks less than the centroid",
             "fig:observations_b, Q5",
             f"{paper} pp less" if paper else "–",
-            proportion_evidence(
-                int(q5["underestimated"]),
-                int(q5["top_blocks"]),
-                int(rbs5["underestimated"]),
-                int(rbs5["top_blocks"]),
-                where,
-            ),  # fmt: skip
+            proportion_evidence(q5, rbs5, where),
         ),
     ]
 
