@@ -108,6 +108,16 @@ def md_table(header: list[str], rows: list[list[str]], keys: int = 1) -> str:
     return "\n".join(lines) + "\n"
 
 
+def speed_file(src: Sources, name: str) -> Path:
+    """A timing CSV or figure under results/speed/."""
+    return src.results / "speed" / name
+
+
+def kilo(n) -> str:
+    """A context length as the tables name it: 131072 -> "128K"."""
+    return f"{int(n) // 1024}K"
+
+
 def sources_line(src: Sources, paths) -> str:
     """'From `a`, `b`.': the files a block read, as the docs name them."""
     names = list(dict.fromkeys(src.rel(p) for p in paths))

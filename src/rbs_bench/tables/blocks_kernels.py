@@ -10,24 +10,26 @@ from pathlib import Path
 import pandas as pd
 
 from rbs_bench.methods.rbs import RBS
-from rbs_bench.tables.blocks import Sources, block, md_table, num, pct, read_csv, sources_line
+from rbs_bench.tables.blocks import (
+    Sources,
+    block,
+    kilo,
+    md_table,
+    num,
+    pct,
+    read_csv,
+    sources_line,
+    speed_file,
+)
 from rbs_bench.tables.blocks_speed import H100, LONG, TARGET, standalone_at
 
 HEADS = 32  # query heads of the benchmark's shape: an attention grid is (N / 128) x heads tiles
 
 
-def _speed(src: Sources, name: str) -> Path:
-    return src.results / "speed" / name
-
-
-def _k(n: int) -> str:
-    return f"{int(n) // 1024}K"
-
-
 @block("kernel_variants")
 def kernel_variants(src: Sources) -> str:
     """Every attention configuration of the h100-i run: ms (share of cuDNN's TFLOP/s) per N."""
-    path = _speed(src, f"attention_variants_{H100}.csv")
+    path = speed_file(src, f"attention_variants_{H100}.csv")
     df = read_csv(src, path)
     att = df[df["kind"] == "attention"]
     att = att.assign(
@@ -55,8 +57,8 @@ def kernel_variants(src: Sources) -> str:
     )
     files = [
         path,
-        _speed(src, f"attention_{H100}.csv"),
-        _speed(src, f"attention_needles_{H100}.csv"),
+        speed_file(src, f"attention_{H100}.csv"),
+        speed_file(src, f"attention_needles_{H100}.csv"),
     ]
     return md_table(head, rows, keys=2) + "\n" + key + sources_line(src, files) + "\n"
 
@@ -64,14 +66,14 @@ def kernel_variants(src: Sources) -> str:
 @block("selector_variants")
 def selector_variants(src: Sources) -> str:
     """The selector's launch variants of the h100-i run, ms per input family and N."""
-    path = _speed(src, f"attention_variants_{H100}.csv")
+    path = speed_file(src, f"attention_variants_{H100}.csv")
     df = read_csv(src, path)
     sel = df[df["kind"] == "selector"].pivot_table(
         index="config", columns=["inputs", "n"], values="ms", aggfunc="last", sort=False
     )
     cols = [(f, n) for n in (32768, 65536, LONG) for f in ("synthetic", "needles")]
     rows = [[f"`{c}`"] + [num(sel.loc[c].get(k), ".2f") for k in cols] for c in sel.index]
-    head = ["variant"] + [f"{f} {_k(n)}" for f, n in cols]
+    head = ["variant"] + [f"{f} {kilo(n)}" for f, n in cols]
     return md_table(head, rows) + "\n" + sources_line(src, [path]) + "\n"
 
 
@@ -105,14 +107,14 @@ def _value(text: str) -> float:
 @block("ncu_tuned")
 def ncu_tuned(src: Sources) -> str:
     """What bounds the tuned kernels: ncu's counters per kernel and context (h100-k)."""
-    path = _speed(src, f"attention_ncu_tuned_{H100}.csv")
+    path = speed_file(src, f"attention_ncu_tuned_{H100}.csv")
     df = _ncu(src.need(path))
     attention = df["Kernel Name"].str.contains("sparse")
     grid = df["Grid Size"].str.strip("()").str.split(",").str[0].astype(int)
     # a selector kernel follows its attention kernel: it has the same context
     n = (grid * 128 // HEADS).where(attention).ffill().astype(int)
     labels = [
-        f"{'attention' if a else 'selector'} {_k(x)}" for a, x in zip(attention, n)
+        f"{'attention' if a else 'selector'} {kilo(x)}" for a, x in zip(attention, n)
     ]  # fmt: skip
     order = sorted(range(len(df)), key=lambda i: (not attention[i], n[i]))
     rows = []
@@ -159,7 +161,7 @@ def kernel_goals(src: Sources) -> str:
     files = []
     for family, suffix in (("synthetic", ""), ("needles", "_needles")):
         first, path = standalone_at(src, family, LONG)
-        m_path = _speed(src, f"methods_128k{suffix}_{H100}.csv")
+        m_path = speed_file(src, f"methods_128k{suffix}_{H100}.csv")
         methods_run = read_csv(src, m_path)
         second = methods_run[methods_run["method"] == RBS.name].iloc[-1]
         runs[family] = [first, second]
@@ -209,7 +211,7 @@ def cudnn_rate_128k(src: Sources) -> str:
     names += [f"methods_128k_{H100}.csv", f"methods_128k_needles_{H100}.csv"]
     names += [f"goals_128k_{H100}.csv", f"goals_128k_needles_{H100}.csv"]
     for name in names:
-        path = _speed(src, name)
+        path = speed_file(src, name)
         df = read_csv(src, path)
         r = df[(df["method"] == "sdpa_cudnn") & (df["n"] == LONG)].iloc[-1]
         files.append(path)
@@ -226,7 +228,7 @@ def fp8_gemm_h100(src: Sources) -> str:
     """`bench.fp8_gemm` on one H100: each FP8 layer's product at its largest token count as the
     model calls it (cuBLAS's block-scaled GEMM where it takes the shape, else Triton), its parts,
     and bf16 cuBLAS on the same rows; the checks passed; the sum of a layer's products."""
-    path = _speed(src, f"fp8_gemm_{H100}.csv")
+    path = speed_file(src, f"fp8_gemm_{H100}.csv")
     df = read_csv(src, path)
     checks = df[df["kind"] == "check"]
     times = df[df["kind"] == "time"]

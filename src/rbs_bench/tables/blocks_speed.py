@@ -16,12 +16,14 @@ from rbs_bench.tables.blocks import (
     MISSING,
     Sources,
     block,
+    kilo,
     last_rows,
     md_table,
     num,
     pct,
     read_csv,
     sources_line,
+    speed_file,
     times,
 )
 from rbs_bench.tables.timing import STANDALONE_DENSE, layers_run
@@ -32,14 +34,6 @@ LONG = 131072  # the paper's speed setting
 TARGET = 0.05
 
 
-def _speed(src: Sources, name: str) -> Path:
-    return src.results / "speed" / name
-
-
-def _k(n: int) -> str:
-    return f"{n // 1024}K"
-
-
 # ------------------------------------------------------------------------------------------------
 # The README's two commands and the quick start's seconds per sample (CPU).
 
@@ -47,7 +41,7 @@ def _k(n: int) -> str:
 @block("commands")
 def commands(src: Sources) -> str:
     """How long the README's commands took on a fresh clone (results/speed/commands_cpu.csv)."""
-    path = _speed(src, "commands_cpu.csv")
+    path = speed_file(src, "commands_cpu.csv")
     df = read_csv(src, path)
     rows = []
     for r in df.itertuples():
@@ -60,8 +54,7 @@ def commands(src: Sources) -> str:
     head = ["command", "outcome", "wall", "CPU time", "load average at the start"]
     note = (
         f"Measured one after the other on a fresh clone ({machine}, shared with other jobs, "
-        f"{df['date'].iloc[0]}, commit {df['commit'].iloc[0]}). "
-        + sources_line(src, [path])
+        f"{df['date'].iloc[0]}, commit {df['commit'].iloc[0]}). " + sources_line(src, [path])
     )
     return md_table(head, rows, keys=2) + "\n" + note + "\n"
 
@@ -69,7 +62,7 @@ def commands(src: Sources) -> str:
 @block("cpu_samples")
 def cpu_samples(src: Sources) -> str:
     """Seconds per quick-start sample, every method on the same samples in one process."""
-    path = _speed(src, "cpu_samples_cpu.csv")
+    path = speed_file(src, "cpu_samples_cpu.csv")
     df = read_csv(src, path).set_index("method")
     names = list(df.index)
     head = [""] + [methods.display(m) if m != DENSE else DENSE for m in names]
@@ -82,7 +75,7 @@ def cpu_samples(src: Sources) -> str:
     first = df.iloc[0]
     faster = [methods.display(m) for m in names if df.loc[m, "request_over_dense"] < 1]
     setting = (
-        f"{first['task']} at {_k(int(first['context_length']))}, the sparse methods at "
+        f"{first['task']} at {kilo(int(first['context_length']))}, the sparse methods at "
         f"`{df['budget'].iloc[-1]}`, median of {first['samples']} samples, {first['threads']} "
         f"threads, torch {first['torch']}, {str(first['time'])[:10]}"
     )
@@ -100,7 +93,7 @@ def cpu_samples(src: Sources) -> str:
 
 def _attention(src: Sources, family: str) -> tuple[pd.DataFrame, Path]:
     suffix = "" if family == "synthetic" else f"_{family}"
-    path = _speed(src, f"attention{suffix}_{H100}.csv")
+    path = speed_file(src, f"attention{suffix}_{H100}.csv")
     return read_csv(src, path), path
 
 
@@ -123,7 +116,7 @@ def standalone_rbs(src: Sources) -> str:
         for r in mine.sort_values("n").itertuples():
             err = r.err_sparse / r.err_dense_fa2 if pd.notna(r.err_sparse) else float("nan")
             rows.append([
-                family, _k(int(r.n)), num(100 * r.density, ".2f"), num(r.selector_ms),
+                family, kilo(int(r.n)), num(100 * r.density, ".2f"), num(r.selector_ms),
                 num(r.attention_ms), num(r.total_ms), pct(r.selector_share), pct(r.pct_cudnn),
                 times(r.speedup_vs_sdpa_fa2, ".1f"), times(r.speedup_vs_sdpa_cudnn, ".1f"),
                 times(err, ".2f"),
@@ -145,7 +138,7 @@ def standalone_methods_128k(src: Sources) -> str:
     """Every method's block pattern at 128K and 5%, with its own selector (methods_128k run)."""
     rows, files = [], []
     for family in ("", "_needles"):
-        path = _speed(src, f"methods_128k{family}_{H100}.csv")
+        path = speed_file(src, f"methods_128k{family}_{H100}.csv")
         df = read_csv(src, path)
         files.append(path)
         df = df[~df["method"].isin(STANDALONE_DENSE)]
@@ -166,10 +159,10 @@ def standalone_methods_128k(src: Sources) -> str:
 def goals_128k(src: Sources) -> str:
     """The 128K goal run: RBS at 5% against cuDNN, and the selector with and without its check."""
     rows, files = [], []
-    probe_path = _speed(src, f"selector_check_probe_{H100}.csv")
+    probe_path = speed_file(src, f"selector_check_probe_{H100}.csv")
     probe = read_csv(src, probe_path).set_index(["inputs", "what"])["ms"]
     for family in ("", "_needles"):
-        path = _speed(src, f"goals_128k{family}_{H100}.csv")
+        path = speed_file(src, f"goals_128k{family}_{H100}.csv")
         df = read_csv(src, path).set_index("method")
         files.append(path)
         r, inputs = df.loc[RBS.name], df.loc[RBS.name, "inputs"]
@@ -197,7 +190,7 @@ def arch_spaces(src: Sources) -> str:
         index=["n", "inputs"], columns="config", values="ms", aggfunc="last"
     )
     rows = [
-        [_k(int(n)), inputs, num(r["hopper"]), num(r["sm80"]), times(r["sm80"] / r["hopper"])]
+        [kilo(int(n)), inputs, num(r["hopper"]), num(r["sm80"]), times(r["sm80"] / r["hopper"])]
         for (n, inputs), r in space.sort_index(ascending=[False, False]).iterrows()
     ]
     t = tests.iloc[-1]
@@ -214,7 +207,7 @@ def arch_spaces(src: Sources) -> str:
 
 
 def _profile(src: Sources, gpu: str) -> tuple[pd.DataFrame, Path]:
-    path = _speed(src, f"layer_profile_{gpu}.csv")
+    path = speed_file(src, f"layer_profile_{gpu}.csv")
     df = read_csv(src, path)
     df = df[df["method"].fillna(DENSE) == DENSE]
     return df, path
@@ -283,7 +276,7 @@ def layer_profile_h200(src: Sources) -> str:
         if ms >= 0.05  # families that took no time in this layer
     ]
     setting = (
-        f"{r0['model']}, {int(r0['layers'])} layers, {_k(int(r0['n']))} tokens, "
+        f"{r0['model']}, {int(r0['layers'])} layers, {kilo(int(r0['n']))} tokens, "
         f"{r0['path']}, {_chunk(r0['ffn_chunk_tokens'])}; run {r0['run']}. "
     )
     head = ["kernel family", "ms per layer", "share of the layer"]
@@ -296,7 +289,7 @@ def layer_profile_h200(src: Sources) -> str:
 
 def ttft_rows(src: Sources, gpu: str, model: str, layers: int, compiled: bool, chunk: int):
     """The last rows of one setting at 128K: (frame, its CSV)."""
-    path = _speed(src, f"ttft_{gpu}.csv")
+    path = speed_file(src, f"ttft_{gpu}.csv")
     df = read_csv(src, path)
     setting = df.apply(lambda r: layers_run(r), axis=1)
     keep = (df["model"] == model) & (df["layers"] == layers) & (df["n"] == LONG)
@@ -424,7 +417,7 @@ def ttft_h100_fp8(src: Sources) -> str:
 @block("ttft_h100_4l")
 def ttft_h100_4l(src: Sources) -> str:
     """The quick 4-layer eager rows on an H100, 32K-128K: RBS's speedups and batch-4 status."""
-    path = _speed(src, f"ttft_{H100}.csv")
+    path = speed_file(src, f"ttft_{H100}.csv")
     df = read_csv(src, path)
     df = df[(df["model"] == "qwen3_30b_a3b") & (df["layers"] == 4)]
     df = last_rows(df, ["batch", "n", "method"])
@@ -434,10 +427,9 @@ def ttft_h100_4l(src: Sources) -> str:
         mine = r.loc[RBS.name] if RBS.name in r.index else None
         if mine is None or mine["status"] != "ok":
             status = MISSING if mine is None else mine["status"]
-            rows.append([str(b), _k(int(n)), status, MISSING, MISSING])
+            rows.append([str(b), kilo(int(n)), status, MISSING, MISSING])
             continue
-        rows.append([str(b), _k(int(n)), "ok", times(mine["attention_speedup"]),
+        rows.append([str(b), kilo(int(n)), "ok", times(mine["attention_speedup"]),
                      times(mine["ttft_speedup"])])  # fmt: skip
     head = ["batch", "N", "RBS row", "prefill attention speedup", "TTFT speedup"]
     return md_table(head, rows, keys=2) + "\n" + sources_line(src, [path]) + "\n"
-
