@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .triton_util import kernel_arch
+from .triton_util import autotune_space, kernel_arch
 
 try:
     import triton
@@ -833,7 +833,7 @@ def _launch(
     if config is None:
         space = space or tuning_space(q.device)
         space = tuple(c for c in space if tma or not c[5]) or POINTER_SPACE
-        _tuned_kernel(block_q, block_k, space)[grid](*args, **meta)
+        _tuned_kernel(block_q, block_k, autotune_space(space))[grid](*args, **meta)
     else:
         _block_sparse_fwd_kernel[grid(config)](*args, **meta, **config)
     return (out, lse) if return_lse else out

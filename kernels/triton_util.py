@@ -95,3 +95,19 @@ def kernel_arch(device=None) -> int:
             f"{own // 10}.{own % 10}); it can only choose an older one (e.g. sm80), or unset it"
         )
     return _ARCHS[wanted]
+
+
+AUTOTUNE_ENV = "RBS_BENCH_AUTOTUNE"
+
+
+def autotune_space(space: tuple) -> tuple:
+    """The configurations an autotuner times: the whole `space`, or its first entry alone when
+    RBS_BENCH_AUTOTUNE=first. With one entry the autotuner launches without timing, so every new
+    shape costs one compilation instead of one per entry (the GPU tests set it; they check the
+    kernels' values, and the tuning benches time the whole space). Unset or `full`: the space."""
+    wanted = os.environ.get(AUTOTUNE_ENV, "full").strip().lower()
+    if wanted in ("", "full"):
+        return space
+    if wanted == "first":
+        return space[:1]
+    raise ValueError(f"{AUTOTUNE_ENV}={wanted!r} is not one of full, first; unset it to autotune")

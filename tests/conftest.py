@@ -8,8 +8,14 @@ Test modules import them as `from conftest import structured_qk, assert_same_set
 from __future__ import annotations
 
 import math
+import os
 
 import torch
+
+# Kernels launch with their tuning space's first configuration, untimed: the tests check values,
+# and timing every configuration at every new shape would take most of the GPU suite's time.
+# The benches under rbs_bench.bench tune over the whole space.
+os.environ.setdefault("RBS_BENCH_AUTOTUNE", "first")
 
 
 def _local(g, b, hq, hkv, n, d):

@@ -65,6 +65,20 @@ def test_tuning_spaces_follow_the_architecture(gpu, monkeypatch):
     assert bsa.tuning_space("cuda") is bsa.SM80_SPACE
 
 
+def test_the_autotune_setting_times_the_whole_space_or_its_first_entry(monkeypatch):
+    AUTOTUNE_ENV, autotune_space = triton_util.AUTOTUNE_ENV, triton_util.autotune_space
+    space = bsa.HOPPER_SPACE
+    for value, want in (("full", space), ("", space), ("first", space[:1]), (" First ", space[:1])):
+        monkeypatch.setenv(AUTOTUNE_ENV, value)
+        assert autotune_space(space) == want
+    monkeypatch.delenv(AUTOTUNE_ENV)
+    assert autotune_space(space) == space
+    monkeypatch.setenv(AUTOTUNE_ENV, "fast")
+    with pytest.raises(ValueError, match="not one of full, first") as err:
+        autotune_space(space)
+    assert "\n" not in str(err.value)
+
+
 def test_the_ampere_space_is_pointer_only_and_uncapped():
     """No TMA descriptors and no register caps (which spill on sm_80), and tiles within an
     A100's 164 KB of shared memory: (K + V tiles) x stages + the query tile, bf16, D = 128."""
