@@ -28,10 +28,15 @@ GROUPS = ("model", "method", "benchmark", "budget", "calibration", "logger", "ex
 _STARTED = time.monotonic()  # near enough the process's start: every entry point imports this
 
 
+def since_start() -> float:
+    """Seconds since the process started (as `time_budget_s` counts them)."""
+    return time.monotonic() - _STARTED
+
+
 def out_of_time(cfg) -> bool:
     """Whether the run's `time_budget_s` (seconds since the process started) is spent."""
     budget = cfg.get("time_budget_s")
-    return budget is not None and time.monotonic() - _STARTED > budget
+    return budget is not None and since_start() > budget
 
 
 # Feed-forward blocks run over at most this many tokens at once (rbs_bench.models.feedforward):
@@ -177,6 +182,9 @@ class RunCfg:
     results_dir: str = "results"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     executor: str = "auto"  # sparse executor: auto | reference | flex
+    # Decode steps on a CUDA graph where the model allows it (models/graph_decode.py), checked
+    # against eager decoding on the first prompt; None: on CUDA. The prefill is unchanged.
+    decode_graph: bool | None = None
     progress: bool = True
     # Record each layer's attention recall (share of the dense softmax mass on the kept pairs):
     # one extra dense pass per layer, outside the timed regions.

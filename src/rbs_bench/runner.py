@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from tqdm import tqdm
 
 from rbs_bench import benchmarks, models, paths
-from rbs_bench.config import out_of_time
+from rbs_bench.config import out_of_time, since_start
 from rbs_bench.errors import UserError
 from rbs_bench.execution import resolve_executor
 from rbs_bench.models import fastpath
@@ -126,7 +126,9 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
             "rerun the same command to continue (finished samples are kept)"
         )
         return store.path
+    t_load = since_start()
     loaded = session.load(cfg)
+    t_prompts = since_start()
     executor = resolve_executor(cfg.executor, loaded.device)
     work = [
         (s, n)
@@ -144,6 +146,12 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
                 "or the benchmark's data or the tokenizer changed); use results_dir=... or "
                 "budget.name=... for this run, or delete that file"
             )
+    now = since_start()
+    print(
+        f"{label}: {len(pending)} of {len(work)} samples to run, {now:.1f} s after the start "
+        f"(the model {t_prompts - t_load:.1f} s, the prompts {now - t_prompts:.1f} s)",
+        flush=True,
+    )
     if not pending:
         print(f"{label}: all {len(work)} samples already recorded")
         write_settings(store, settings)  # (re)builds a missing cell.json from the checked records
@@ -167,7 +175,7 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
             if store.done((sample.task, length, sample.index)):
                 continue
             if loaded.device.type == "cuda" and length not in warmed:
-                warm_up(loaded, sample)  # compile/autotune outside the timed region
+                warm_up(loaded, sample, cfg.decode_graph)  # compile/autotune/capture untimed
                 warmed.add(length)
             rec = _run_sample(
                 cfg, experiment, selector, bench, loaded, recorder, eos, sample, length
@@ -211,7 +219,9 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
     gpus = models.cuda_devices(loaded.model)
     for d in gpus:
         torch.cuda.reset_peak_memory_stats(d)
-    new, ttft, total = greedy_generate(loaded.model, ids, sample.max_new_tokens, eos, **inputs)
+    new, ttft, total, decode = greedy_generate(
+        loaded.model, ids, sample.max_new_tokens, eos, cfg.decode_graph, **inputs
+    )
     stats = recorder.summary()
     # the recall passes (recall=true) run inside the prefill forward: their seconds are recorded
     # on their own and left out of the prefill's and the request's time
@@ -272,9 +282,11 @@ def _run_sample(cfg, experiment, selector, bench, loaded, recorder, eos, sample,
         "device": str(loaded.device),
         "gpu": torch.cuda.get_device_name(loaded.device) if loaded.device.type == "cuda" else None,
         "executor": resolve_executor(cfg.executor, loaded.device),
-        # how the model ran (not part of the records' fingerprint: neither changes a prediction
-        # beyond rounding): its feed-forward token chunk and whether its layers were compiled
+        # how the model ran (not part of the records' fingerprint: none changes a prediction
+        # beyond rounding): its feed-forward token chunk, whether its layers were compiled, and
+        # whether its tokens after the first were decoded on a CUDA graph (models/graph_decode.py)
         "ffn_chunk_tokens": cfg.model.ffn_chunk_tokens,
         "compiled": fastpath.is_installed(loaded.model),
+        "decode": decode,
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

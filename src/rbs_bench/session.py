@@ -220,13 +220,16 @@ def model_inputs(loaded: Loaded, sample) -> dict:
 
 
 @torch.inference_mode()
-def warm_up(loaded: Loaded, sample) -> None:
-    """One untimed prefill of a prompt of this length and one decode step, so that kernel
-    compilation and autotuning (and the compiled layers' graphs) are not timed."""
-    from rbs_bench.models.vision import reset_position_state
+def warm_up(loaded: Loaded, sample, graphs: bool | None = None) -> None:
+    """One untimed prefill of a prompt of this length and a few decode steps, so that kernel
+    compilation and autotuning, the compiled layers' graphs and the decode step's CUDA graph (its
+    capture and its check against eager decoding, `models.graph_decode`) are not timed."""
+    from rbs_bench.models.generate import greedy_generate
 
-    reset_position_state(loaded.model)
-    out = loaded.model(**model_inputs(loaded, sample), use_cache=True, logits_to_keep=1)
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    loaded.model(input_ids=token, past_key_values=out.past_key_values, use_cache=True)
+    inputs = model_inputs(loaded, sample)
+    ids = inputs.pop("input_ids")
+    greedy_generate(loaded.model, ids, WARM_UP_TOKENS, set(), graphs, **inputs)
     torch.cuda.synchronize(loaded.device)
+
+
+WARM_UP_TOKENS = 4  # the prefill's token and three decode steps

@@ -91,7 +91,7 @@ def measure(
             recorder = install(loaded.model, selectors[m], "auto", recall=True)
             try:
                 t0 = time.perf_counter()
-                _, to_first, total = greedy_generate(
+                _, to_first, total, _ = greedy_generate(
                     loaded.model, ids, sample.max_new_tokens, eos, **inputs
                 )
                 stats = recorder.summary()
