@@ -7,6 +7,10 @@ Each `EXPERIMENT=N` runs every cell of the experiment's grid (its `reference` ce
 ruler_budget's dense, and its sweep) with `benchmark.num_samples=N` (`EXPERIMENT` alone: the
 experiment's own n). Up to `--jobs` cells run at once, each as its own `python -m rbs_bench` process
 with that cell's overrides; a small model leaves a GPU mostly idle, so several processes share it.
+Where the OS can fork, this process first imports what every cell imports (torch, transformers,
+the harness: seconds per process) and forks each cell from itself, which then starts at its
+configuration; CUDA is never initialised here, so each cell initialises its own. Set
+RBS_BENCH_PARALLEL_FORK=0 to start each cell as a new Python instead.
 The cells with the most samples still to run start first. Each cell holds its own lock and skips
 the samples its records already hold (rbs_bench.runner), so a call resumes the last one, and a
 call that reaches `--time-budget-s` stops starting cells and gives the running ones the time left
@@ -52,6 +56,7 @@ from rbs_bench.slurm import _parse, grid
 LOG_DIR = Path("outputs/parallel")
 MARGIN_S = 30  # a cell started with less time than this left would only load the model
 STOP_WAIT_S = 60  # how long a stop waits for the cells to end before it kills them
+FORK_ENV = "RBS_BENCH_PARALLEL_FORK"
 LOG_NAME_BYTES = 120  # a longer log name is cut and given a digest of the whole
 
 
@@ -173,9 +178,96 @@ def _complete(cell: Cell, done: int) -> bool:
 def _resolve_device(device: str) -> str:
     if device != "auto":
         return device
+    # NVML's device count, not the CUDA driver's: a process that initialised the driver cannot
+    # fork a cell that uses CUDA
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Forked:
+    """A cell run by a child forked from this process (its imports already done), with the part
+    of `subprocess.Popen`'s interface that this module uses."""
+
+    def __init__(self, args: list[str], log, env: dict):
+        self.returncode: int | None = None
+        self.pid = os.fork()
+        if self.pid == 0:  # the cell
+            _run_forked(args, log.fileno(), env)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"cell {self.pid}", timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _run_forked(args: list[str], log_fd: int, env: dict) -> None:
+    """The forked cell: `python -m rbs_bench ARGS` with its output to the log; never returns."""
+    code = 1
+    try:
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.environ.update(env)
+        import torch
+
+        from rbs_bench import __main__ as entry
+        from rbs_bench import config
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        config._STARTED = time.monotonic()  # the cell's time budget counts from here
+        sys.argv = [entry.__file__, *args]
+        entry.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+
+def _forkable() -> bool:
+    """Fork the cells: the OS can, it is not turned off, and CUDA is not initialised here after
+    importing what the cells import (`_preload`)."""
+    if os.environ.get(FORK_ENV, "1").strip() == "0" or not hasattr(os, "fork"):
+        return False
+    _preload()
+    import torch
+
+    return not torch.cuda.is_initialized()
+
+
+def _preload() -> None:
+    """Import what every cell imports (the entry point, the runner with torch, transformers and
+    the kernels, the report), once, before the first fork."""
+    import rbs_bench.__main__  # noqa: F401
+    import rbs_bench.report  # noqa: F401
+    import rbs_bench.runner  # noqa: F401
 
 
 def check_args(jobs: int, budget_s: float) -> None:
@@ -214,8 +306,9 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
     threads = str(max(1, (os.cpu_count() or 1) // jobs))
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} | dict(os.environ)
     running: list[tuple[Cell, subprocess.Popen, object, Path]] = []
+    fork = bool(pending) and _forkable()
     try:
-        failed = _run_cells(pending, running, jobs, budget_s, start, env)
+        failed = _run_cells(pending, running, jobs, budget_s, start, env, fork)
     except BaseException:  # SIGTERM / SIGINT (or a failure here): the cells end first
         _stop_cells(running, stopping() or signal.SIGTERM)
         raise
@@ -246,9 +339,9 @@ def _stop_cells(running: list, signum: int) -> None:
         log.close()
 
 
-def _run_cells(pending, running, jobs, budget_s, start, env) -> list[str]:
-    """Start pending cells while there are free jobs and time, until every cell has ended;
-    the failed cells' lines."""
+def _run_cells(pending, running, jobs, budget_s, start, env, fork=False) -> list[str]:
+    """Start pending cells (`fork`: as children of this process, `Forked`) while there are free
+    jobs and time, until every cell has ended; the failed cells' lines."""
     failed = []
     while pending or running:
         left = budget_s - (time.monotonic() - start)
@@ -257,10 +350,13 @@ def _run_cells(pending, running, jobs, budget_s, start, env) -> list[str]:
             log_path = LOG_DIR / c.experiment / f"{c.name}.log"
             log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(log_path, "a")
-            args = [sys.executable, "-m", "rbs_bench", *c.overrides, "progress=false"]
-            args.append(f"time_budget_s={int(left)}")
+            args = [*c.overrides, "progress=false", f"time_budget_s={int(left)}"]
             with deferred():  # a stop waits until the new cell is on the list it stops
-                proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
+                if fork:
+                    proc = Forked(args, log, env)
+                else:
+                    args = [sys.executable, "-m", "rbs_bench", *args]
+                    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
                 running.append((c, proc, log, log_path))
             print(f"start {c.experiment}/{c.name} ({c.done}/{c.samples} done)", flush=True)
         time.sleep(1)
