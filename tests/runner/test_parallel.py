@@ -49,3 +49,16 @@ def test_a_call_runs_every_cell_and_a_rerun_has_nothing_left(tmp_path):
     assert (tmp_path / "outputs/parallel/thresholds/default.log").exists()
     again = _run(tmp_path)
     assert "2 cells, 0 to run" in again.stdout and "start" not in again.stdout
+
+
+def test_cells_are_forked_unless_turned_off(monkeypatch):
+    """Cells fork from this process (its imports done once) where the OS can and CUDA is not
+    initialised here; RBS_BENCH_PARALLEL_FORK=0 starts each as a new Python."""
+    import torch
+
+    monkeypatch.setenv(parallel.FORK_ENV, "0")
+    assert not parallel._forkable()
+    monkeypatch.delenv(parallel.FORK_ENV)
+    assert parallel._forkable() == hasattr(os, "fork")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert not parallel._forkable()
