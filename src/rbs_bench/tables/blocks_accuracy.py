@@ -283,9 +283,10 @@ def forced_share_4k(src: Sources) -> str:
 
 @block("seven_cells_16k")
 def seven_cells_16k(src: Sources) -> str:
-    """The seven 16K cells at d10 (dense and six methods, 60 samples each) timed on one GPU:
-    per run the wall time, the samples a second, and the medians of a sample's first token and
-    decoding (results/speed/seven_cells_16k_<gpu>.csv)."""
+    """The seven 16K cells at d10 (dense and six methods, 60 samples each) timed on one GPU
+    (`bench.cells_timing`): per run the wall time, the samples a second, the medians of a sample's
+    first token and decoding, how it decoded, and when the cells' first records came (start-up;
+    runs before that column existed show –) (results/speed/seven_cells_16k_<gpu>.csv)."""
     files = sorted(paths.speed_dir(src.results).glob("seven_cells_16k_*.csv"))
     rows = []
     for path in files:
@@ -294,12 +295,18 @@ def seven_cells_16k(src: Sources) -> str:
             wall = float(g["wall_s"].iloc[0])
             samples = int(g["samples"].iloc[0])
             tokens = g["new_tokens_median"].median()
+            first = g["first_record_s"] if "first_record_s" in g else pd.Series(dtype=float)
+            started = (
+                f"{first.min():.0f}-{first.max():.0f} s" if first.notna().any() else "–"
+            )
+            decoded = ", ".join(sorted(set(g["decode"].dropna()))) if "decode" in g else "–"
             rows.append([
                 str(g["gpu"].iloc[0]), run.replace("_", " "), str(int(g["processes"].iloc[0])),
                 f"{samples}", f"{wall:.1f} s", f"{samples / wall:.1f}",
                 f"{1000 * g['ttft_s_median'].median():.0f} ms",
                 f"{1000 * g['decode_s_median'].median():.0f} ms ({tokens:.0f} tokens)",
+                decoded.replace("_", " "), started,
             ])  # fmt: skip
     head = ["GPU", "run", "processes", "samples", "wall", "samples/s", "first token (median)"]
-    head += ["decoding (median)"]
+    head += ["decoding (median)", "decoded", "cells' first records"]
     return md_table(head, rows, keys=2) + "\n" + sources_line(src, files) + "\n"
