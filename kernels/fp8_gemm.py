@@ -30,6 +30,10 @@ counts that are a multiple of 4 (others are padded with zero rows), refuses othe
 returned wrong values (inf) for K = 768, a K / 128 that is not a multiple of 4: such shapes stay
 on the Triton kernel. Before its first use on a device the path is checked once against the
 Triton product on a small shape; RBS_BENCH_FP8_CUBLAS=0 keeps every product on Triton.
+The grouped (experts') product takes the same recipe one expert at a time
+(`cublas_grouped_linear`) when its K and N qualify and the rows average at least
+`CUBLAS_GROUPED_MIN_ROWS` per expert (a prefill, not a decode step);
+RBS_BENCH_FP8_CUBLAS_GROUPED=0 keeps it on Triton.
 
 `fp8_linear_ref`, `fp8_grouped_linear_ref`, `fp8_batched_linear_ref` and `act_quant_ref` are the
 PyTorch references: the same activation quantisation, then an fp32 product of the dequantised
@@ -53,7 +57,15 @@ import os
 import torch
 from torch import Tensor
 
-from .triton_util import INTERPRET, check_triton_launch, jit, kernel_arch, tl, triton
+from .triton_util import (
+    INTERPRET,
+    autotune_space,
+    check_triton_launch,
+    jit,
+    kernel_arch,
+    tl,
+    triton,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3 value
@@ -563,7 +575,7 @@ def _launch(
         config = (32, 32, 4, 1)  # no timing under the interpreter
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         if config is None:
-            _tuned_gemm(tuning_space(x.device), group)[grid](*args, **meta)
+            _tuned_gemm(autotune_space(tuning_space(x.device)), group)[grid](*args, **meta)
         else:
             bm, bn_, warps, stages = config
             tile = dict(BLOCK_M=bm, BLOCK_N=bn_, BLOCK_K=group, GROUP_M=8)
@@ -606,6 +618,48 @@ def cublas_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype
     return out[:m] if pad else out
 
 
+def cublas_grouped_linear(
+    x: Tensor, weight: Tensor, weight_scale_inv: Tensor, offsets: Tensor, out_dtype
+) -> Tensor:
+    """The grouped product (`fp8_grouped_linear`'s contract) as one cuBLAS block-scaled GEMM per
+    expert: the rows are quantised once (`fp8_act_quant`), then expert e's rows
+    [offsets[e - 1], offsets[e]) times its weight [N, K] go to `torch._scaled_mm`.
+
+    cuBLAS takes a multiple of 4 rows, so each expert's product covers its rows rounded up to one:
+    the extra rows are the next expert's (finite, quantised like its own) and their outputs are
+    overwritten by that expert's product, which runs later on the same stream; the last expert's
+    spill lands in 3 spare rows of the output. Rows past offsets[-1] are zeros. Reads the row
+    ends on the host (one synchronisation per call)."""
+    xq, xs = fp8_act_quant(x, CUBLAS_BLOCK[1])  # [S, K] e4m3, scales [K / 128, S]
+    s_rows = xq.shape[0]
+    n = weight.shape[1]
+    ends = offsets.tolist()
+    out = torch.empty(s_rows + 3, n, dtype=out_dtype, device=xq.device)
+    start = 0
+    for e, end in enumerate(ends):
+        end = min(end, s_rows)
+        m = end - start
+        if m <= 0:
+            continue
+        m4 = m + (-m % 4)
+        if start + m4 <= s_rows:
+            a = xq[start : start + m4]
+            a_s = xs[:, start : start + m4].contiguous()
+        else:  # the last rows: pad this expert's own rows
+            a = torch.nn.functional.pad(xq[start:end].view(torch.uint8), (0, 0, 0, m4 - m))
+            a = a.view(FP8_DTYPE)
+            a_s = torch.nn.functional.pad(xs[:, start:end], (0, m4 - m), value=1.0).contiguous()
+        w_s = weight_scale_inv[e].float().contiguous()
+        torch._scaled_mm(
+            a, weight[e].t(), a_s.t(), w_s.t(), out_dtype=out_dtype, out=out[start : start + m4]
+        )
+        start = end
+    out = out[:s_rows]
+    if start < s_rows:
+        out[start:].zero_()
+    return out
+
+
 @functools.cache
 def _cublas_works(device: torch.device) -> bool:
     """cuBLAS's recipe runs here and agrees with the Triton kernel on one small product (a
@@ -634,6 +688,31 @@ def _use_cublas(x: Tensor, weight: Tensor, block_size, activation_scale, out_dty
         and out_dtype == torch.bfloat16  # the output dtype of cuBLAS's block-scaled recipe
         and weight.dim() == 2
         and cublas_shape_ok(n, k, block_size, activation_scale)
+        and _cublas_works(x.device)
+    )
+
+
+# The per-expert loop pays a launch and a scale copy per expert: below this many rows per expert
+# on average one grouped Triton launch is faster (a decode step routes 8 rows over 128 experts).
+CUBLAS_GROUPED_MIN_ROWS = 256
+
+
+def _use_cublas_grouped(x: Tensor, weight: Tensor, block_size, offsets: Tensor) -> bool:
+    return cublas_grouped_ok(x.shape[0], x, weight, block_size)
+
+
+def cublas_grouped_ok(rows: int, x: Tensor, weight: Tensor, block_size) -> bool:
+    """Whether `rows` rows like x (bf16, on a GPU) through the experts' weight [E, N, K] take
+    `cublas_grouped_linear`: Hopper, K and N as `cublas_shape_ok` wants them, and on average at
+    least `CUBLAS_GROUPED_MIN_ROWS` rows per expert."""
+    e, n, k = weight.shape
+    return (
+        x.is_cuda
+        and not INTERPRET
+        and x.dtype == torch.bfloat16
+        and rows >= CUBLAS_GROUPED_MIN_ROWS * e
+        and os.environ.get("RBS_BENCH_FP8_CUBLAS_GROUPED", "1") != "0"
+        and cublas_shape_ok(n, k, block_size, None)
         and _cublas_works(x.device)
     )
 
@@ -669,7 +748,11 @@ def _fp8_grouped_linear_op(
     block_n: int,
     block_k: int,
 ) -> Tensor:
-    return _launch(x, weight, weight_scale_inv, _block_args(block_n, block_k), offsets)
+    blocks = _block_args(block_n, block_k)
+    if _use_cublas_grouped(x, weight, blocks, offsets):
+        with torch.cuda.device(x.device):
+            return cublas_grouped_linear(x, weight, weight_scale_inv, offsets, x.dtype)
+    return _launch(x, weight, weight_scale_inv, blocks, offsets)
 
 
 @_fp8_grouped_linear_op.register_fake

@@ -100,6 +100,15 @@ def test_an_error_is_a_row_and_runs_again(small, tmp_path):
     assert len(df) == 2 and ("error" not in df or df["error"].isna().all())
 
 
+def test_the_gpu_test_compares_whole_capabilities(monkeypatch):
+    """An H100 (9.0) has cuBLAS's block-scaled recipe and fp8 tensor cores; an A100 (8.0)
+    neither; an L4 (8.9) fp8 tensor cores only."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for cap, fp8, hopper in (((9, 0), True, True), ((8, 0), False, False), ((8, 9), True, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda cap=cap: cap)
+        assert (bench.fp8_gpu(), bench.fp8_gpu(9, 0)) == (fp8, hopper), cap
+
+
 def test_needs_an_fp8_gpu(monkeypatch, capsys):
     monkeypatch.setattr(bench, "fp8_gpu", lambda: False)
     assert bench.main(["--out", "/nonexistent"]) == 2

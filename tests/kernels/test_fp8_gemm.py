@@ -476,3 +476,57 @@ def test_gpu_grouped_bf16_experts(tokens, n, k):
         truth[start : start + c] = (x[start : start + c].float() @ w[i].T).double()
         start += c
     assert_rows_close(got, ref32, truth)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
+@pytest.mark.parametrize(
+    "counts, tail",
+    [
+        ([5, 0, 3, 1, 0, 2], 0),  # odd counts: each expert's product spills into the next's rows
+        ([4, 7, 0, 0], 3),  # rows past offsets[-1] are zeros, though the last expert spills there
+        ([0, 0, 9], 0),  # the last expert spills past the rows: padded on its own
+        ([1], 0),
+    ],
+)
+def test_gpu_cublas_grouped_linear_on_hopper(counts, tail):
+    """The experts' product one expert at a time on cuBLAS: within the reference bound, rows of
+    no expert zero, and the same values as each expert's rows through `cublas_linear` alone."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuBLAS's block-scaled FP8 recipe needs Hopper")
+    n, k = 1536, 2048
+    wq, s = quantized_weight((len(counts), n, k), (128, 128), seed=len(counts), device="cuda")
+    x, offsets = routed(counts, tail, k, torch.bfloat16, seed=sum(counts))
+    got = fp8_gemm.cublas_grouped_linear(x, wq, s, offsets, torch.bfloat16)
+    assert got.shape == (x.shape[0], n) and got.is_contiguous()
+    ref32 = fp8_grouped_linear_ref(x.float(), wq, s, offsets, (128, 128))
+    w = dequantize_weight_ref(wq, s, (128, 128))
+    truth = torch.zeros(x.shape[0], n, dtype=torch.float64, device="cuda")
+    start = 0
+    for i, c in enumerate(counts):
+        rows = slice(start, start + c)
+        truth[rows] = (x[rows].float() @ w[i].T).double()
+        if c:
+            alone = fp8_gemm.cublas_linear(x[rows], wq[i], s[i], torch.bfloat16)
+            assert torch.equal(got[rows], alone), i
+        start += c
+    assert torch.count_nonzero(got[start:]) == 0
+    assert_rows_close(got, ref32, truth)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
+def test_gpu_the_experts_product_takes_cublas_only_for_a_prefill(monkeypatch):
+    """128 experts: a prefill's rows (>= CUBLAS_GROUPED_MIN_ROWS per expert on average) go to
+    the per-expert cuBLAS loop on Hopper, a decode step's 8 rows to the grouped Triton kernel."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuBLAS's block-scaled FP8 recipe needs Hopper")
+    e = 128
+    wq = torch.empty(e, 1536, 2048, device="cuda", dtype=fp8_gemm.FP8_DTYPE)
+    offsets = torch.zeros(e, dtype=torch.int32, device="cuda")
+    big = torch.empty(fp8_gemm.CUBLAS_GROUPED_MIN_ROWS * e, 2048, device="cuda").bfloat16()
+    assert fp8_gemm._use_cublas_grouped(big, wq, (128, 128), offsets)
+    assert not fp8_gemm._use_cublas_grouped(big[:8], wq, (128, 128), offsets)
+    assert not fp8_gemm._use_cublas_grouped(big, wq[:, :, :768], (128, 128), offsets)  # K = 768
+    monkeypatch.setenv("RBS_BENCH_FP8_CUBLAS_GROUPED", "0")
+    assert not fp8_gemm._use_cublas_grouped(big, wq, (128, 128), offsets)

@@ -24,7 +24,9 @@ the fused kernel, and for the shapes cuBLAS takes its block-scaled product with 
 quantisation (`fp8_cublas_block`, `fp8_cublas_block_gemm`); against bf16 cuBLAS (`F.linear`
 with the dequantised weight) and, for the experts, PyTorch's grouped GEMM (`F.grouped_mm` /
 `torch._grouped_mm`, the weight as transformers passes it, a transposed [E, K, N] view) on the
-same rows; for the plain layers also
+same rows, and where cuBLAS takes the experts' shape its per-expert loop
+(`fp8_cublas_grouped`, `cublas_grouped_linear`) beside the grouped Triton product
+(`fp8_triton`); for the plain layers also
 cuBLAS's fp8 product with one scale per tensor (`torch._scaled_mm`, `fp8_cublas_tensorwise`): a
 ceiling for the rate, not the same function. TFLOP/s count 2 M N K.
 
@@ -124,7 +126,10 @@ def check_grouped(name, tokens, variant) -> dict:
     wq, s = quantized_weight((NUM_EXPERTS, n, k), seed=n + k)
     offsets = routed_offsets(tokens, seed=tokens)
     x = activations(tokens * TOP_K, k, seed=tokens)
-    got = fk._launch(x, wq, s, BLOCK, offsets, fused=variant == "fused")
+    if variant == "cublas":
+        got = fk.cublas_grouped_linear(x, wq, s, offsets, torch.bfloat16)
+    else:
+        got = fk._launch(x, wq, s, BLOCK, offsets, fused=variant == "fused")
     rows = sample_rows(x.shape[0], seed=2)
     ids = torch.searchsorted(offsets, rows.to(torch.int32), right=True)
     ref = fk.fp8_batched_linear_ref(x[rows].float(), wq, s, ids, BLOCK)
@@ -219,6 +224,11 @@ def time_grouped(name, tokens, rep_ms) -> dict:
     ms["fp8_fused"], configs["config_fused"] = bench_tuned(
         lambda: fk._launch(x, wq, s, BLOCK, offsets, fused=True), rep_ms
     )
+    if fk.cublas_shape_ok(n, k, BLOCK, None) and fp8_gpu(9, 0):
+        ms["fp8_triton"] = do_bench(lambda: fk._launch(x, wq, s, BLOCK, offsets), rep_ms)
+        ms["fp8_cublas_grouped"] = do_bench(
+            lambda: fk.cublas_grouped_linear(x, wq, s, offsets, x.dtype), rep_ms
+        )
     gmm = grouped_mm()
     if gmm is not None:
         w_t = fk.dequantize_weight_ref(wq, s, BLOCK).to(torch.bfloat16).transpose(-2, -1)
@@ -241,7 +251,7 @@ def plan(tokens: list[int]) -> list[tuple]:
     rows = []
     for layer in (*LINEAR, *EXPERTS):
         n, k = LINEAR.get(layer, EXPERTS.get(layer))
-        cublas = layer in LINEAR and fk.cublas_shape_ok(n, k, BLOCK, None) and fp8_gpu(9)
+        cublas = fk.cublas_shape_ok(n, k, BLOCK, None) and fp8_gpu(9, 0)
         for t in (*CHECK_TOKENS, max(tokens)):
             for variant in ("default", "fused", *(("cublas",) if cublas else ())):
                 rows.append((f"check-{layer}-{t}-{variant}", "check", layer, t, variant))
@@ -297,7 +307,7 @@ def _first(row: dict, *keys) -> float:
 
 
 def fp8_gpu(major: int = 8, minor: int = 9) -> bool:
-    """A CUDA GPU of at least this capability (8.9: fp8 tensor cores; 9: cuBLAS's block-scaled
+    """A CUDA GPU of at least this capability (8.9: fp8 tensor cores; 9.0: cuBLAS's block-scaled
     FP8 recipe)."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (major, minor)
 

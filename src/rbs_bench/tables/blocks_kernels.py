@@ -236,7 +236,8 @@ def fp8_gemm_h100(src: Sources) -> str:
     rows, fp8, bf16 = [], 0.0, 0.0
     for _, r in times.iterrows():
         base = r["ms_bf16_cublas"] if pd.notna(r.get("ms_bf16_cublas")) else r["ms_bf16_grouped_mm"]
-        runs = "cuBLAS" if pd.notna(r.get("ms_fp8_cublas_block")) else "Triton"
+        cublas = pd.notna(r.get("ms_fp8_cublas_block")) or pd.notna(r.get("ms_fp8_cublas_grouped"))
+        runs = "cuBLAS" if cublas else "Triton"
         copies = 2 if r["layer"] == "k" else 1  # v has k's shape
         fp8, bf16 = fp8 + copies * r["ms_fp8"], bf16 + copies * base
         rows.append([
