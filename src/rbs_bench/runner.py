@@ -146,12 +146,13 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
                 "or the benchmark's data or the tokenizer changed); use results_dir=... or "
                 "budget.name=... for this run, or delete that file"
             )
-    now = since_start()
-    print(
-        f"{label}: {len(pending)} of {len(work)} samples to run, {now:.1f} s after the start "
-        f"(the model {t_prompts - t_load:.1f} s, the prompts {now - t_prompts:.1f} s)",
-        flush=True,
-    )
+    if not cfg.progress:  # a log (parallel's cells): when the cell was ready, and why
+        now = since_start()
+        print(
+            f"{label}: {len(pending)} of {len(work)} samples to run, {now:.1f} s after the start "
+            f"(the model {t_prompts - t_load:.1f} s, the prompts {now - t_prompts:.1f} s)",
+            flush=True,
+        )
     if not pending:
         print(f"{label}: all {len(work)} samples already recorded")
         write_settings(store, settings)  # (re)builds a missing cell.json from the checked records
