@@ -697,23 +697,14 @@ def _use_cublas(x: Tensor, weight: Tensor, block_size, activation_scale, out_dty
 CUBLAS_GROUPED_MIN_ROWS = 256
 
 
-def _use_cublas_grouped(x: Tensor, weight: Tensor, block_size, offsets: Tensor) -> bool:
-    return cublas_grouped_ok(x.shape[0], x, weight, block_size)
-
-
-def cublas_grouped_ok(rows: int, x: Tensor, weight: Tensor, block_size) -> bool:
-    """Whether `rows` rows like x (bf16, on a GPU) through the experts' weight [E, N, K] take
-    `cublas_grouped_linear`: Hopper, K and N as `cublas_shape_ok` wants them, and on average at
-    least `CUBLAS_GROUPED_MIN_ROWS` rows per expert."""
-    e, n, k = weight.shape
+def _use_cublas_grouped(x: Tensor, weight: Tensor, block_size) -> bool:
+    """Whether x's rows through the experts' weight [E, N, K] take `cublas_grouped_linear`: each
+    expert's product as `_use_cublas` takes a 2-d one (x's dtype out), and on average at least
+    `CUBLAS_GROUPED_MIN_ROWS` rows per expert."""
     return (
-        x.is_cuda
-        and not INTERPRET
-        and x.dtype == torch.bfloat16
-        and rows >= CUBLAS_GROUPED_MIN_ROWS * e
+        x.shape[0] >= CUBLAS_GROUPED_MIN_ROWS * weight.shape[0]
         and os.environ.get("RBS_BENCH_FP8_CUBLAS_GROUPED", "1") != "0"
-        and cublas_shape_ok(n, k, block_size, None)
-        and _cublas_works(x.device)
+        and _use_cublas(x, weight[0], block_size, None, x.dtype)
     )
 
 
@@ -749,7 +740,7 @@ def _fp8_grouped_linear_op(
     block_k: int,
 ) -> Tensor:
     blocks = _block_args(block_n, block_k)
-    if _use_cublas_grouped(x, weight, blocks, offsets):
+    if _use_cublas_grouped(x, weight, blocks):
         with torch.cuda.device(x.device):
             return cublas_grouped_linear(x, weight, weight_scale_inv, offsets, x.dtype)
     return _launch(x, weight, weight_scale_inv, blocks, offsets)
