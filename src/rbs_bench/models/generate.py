@@ -60,13 +60,22 @@ def greedy_generate(
     return new, ttft, time.perf_counter() - t0, mode
 
 
-def _eager_decode(model, past, token, new: list[int], max_new_tokens: int, eos: set[int]) -> None:
-    """Decode one token at a time on the dynamic cache, appending to `new`."""
+def _eager_steps(model, past, token, new: list[int], max_new_tokens: int, eos: set[int]):
+    """Decode one token at a time on the dynamic cache, appending to `new`; yields each step's
+    last logits ([1, vocab]) once its token is appended."""
     while len(new) < max_new_tokens and new[-1] not in eos:
         out = model(input_ids=token, past_key_values=past, use_cache=True)
         past = out.past_key_values
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        logits = out.logits[:, -1]
+        token = logits.argmax(-1, keepdim=True)
         new.append(int(token))
+        yield logits
+
+
+def _eager_decode(model, past, token, new: list[int], max_new_tokens: int, eos: set[int]) -> None:
+    """Decode one token at a time on the dynamic cache, appending to `new`."""
+    for _ in _eager_steps(model, past, token, new, max_new_tokens, eos):
+        pass
 
 
 def _graph_decode(decoder, model, past, token, new, max_new_tokens, eos) -> str:
@@ -77,7 +86,7 @@ def _graph_decode(decoder, model, past, token, new, max_new_tokens, eos) -> str:
     and where anything fails, the eager tokens are the ones returned."""
     try:
         decoder.start(past, token)
-    except (RuntimeError, graph_decode.GraphUnavailable) as err:
+    except RuntimeError as err:  # graph_decode.GraphUnavailable among them
         decoder.disable(f"its decode step could not be captured ({type(err).__name__}: {err})")
         _eager_decode(model, past, token, new, max_new_tokens, eos)
         return "eager"
@@ -85,23 +94,20 @@ def _graph_decode(decoder, model, past, token, new, max_new_tokens, eos) -> str:
         while len(new) < max_new_tokens and new[-1] not in eos:
             new.append(int(decoder.step()))
         return "cuda_graph"
-    while len(new) < max_new_tokens and new[-1] not in eos:
-        out = model(input_ids=token, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        want = out.logits[:, -1]
-        bound = graph_decode.tolerance(want.dtype)
-        want = want.float()
-        token = want.argmax(-1, keepdim=True)
+    steps = _eager_steps(model, past, token, new, max_new_tokens, eos)
+    for logits in steps:
+        bound = graph_decode.tolerance(logits.dtype)
+        want = logits.float()
         got_token = int(decoder.step())
         got = decoder.logits.float()
         err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
-        new.append(int(token))
         if got_token != new[-1] or not err <= bound:
             decoder.disable(
                 f"its graph's step {len(new) - 1} gave token {got_token} where eager decoding "
                 f"gave {new[-1]} (logits apart by {err:.3g} of their largest, bound {bound:.3g})"
             )
-            _eager_decode(model, past, token, new, max_new_tokens, eos)
+            for _ in steps:  # the rest eagerly, on the same cache
+                pass
             return "eager"
     decoder.validated = True
     return "eager"
