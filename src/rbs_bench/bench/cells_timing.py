@@ -38,10 +38,16 @@ COLUMNS = [
 ]  # fmt: skip
 
 
+def _cell_files(results: Path) -> list[Path]:
+    """The records file of every cell under results/runs (<experiment>/<model>/ folders)."""
+    experiments = sorted(paths.runs_dir(results).glob("*/*"))
+    return [path for exp in experiments for path in paths.cell_records(exp)]
+
+
 def _records(results: Path) -> dict[str, list[dict]]:
     """Every record under results/runs, by method."""
     by_method: dict[str, list[dict]] = {}
-    for path in sorted((results / "runs").glob(f"**/{paths.RECORDS}")):
+    for path in _cell_files(results):
         for rec in read_cell(path):
             by_method.setdefault(rec["method"], []).append(rec)
     return by_method
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv[:cut])
     command = argv[cut + 1 :]
     results = Path(args.results)
-    if results.exists() and any((results / "runs").glob(f"**/{paths.RECORDS}")):
+    if _cell_files(results):
         raise UserError(f"{results} already holds records; time a run from an empty folder")
     if args.calibration:
         shutil.copytree(args.calibration, results / "calibration", dirs_exist_ok=True)
