@@ -5,8 +5,9 @@ sorted rows, and must bring each token's k rows back together:
 
     out[t] = sum_j  w[t, j] * y[pos[t, j]]
 
-y [S, H] holds the experts' outputs in sorted order (S = N x k), pos [N, k] the sorted row of
-(t, j) (the inverse of the sort's permutation) and w [N, k] the router's weights. Written with
+y [S, H] holds the experts' outputs in sorted order (S = N x k, or more where each expert's rows
+are padded, `fp8_moe`), pos [N, k] the row of (t, j) in y (the inverse of the sort's permutation)
+and w [N, k] the router's weights. Written with
 tensor ops this is a gather of S rows into a new [S, H] buffer, a multiply and a reduction over k:
 at 128K tokens of Qwen3-30B-A3B (k = 8, H = 2048) about 12 GiB of traffic and, compiled by
 inductor, 10 ms per layer on an H100. `moe_combine` is one pass: each program reads the k rows of
@@ -30,7 +31,7 @@ def _check(y: Tensor, pos: Tensor, w: Tensor) -> None:
             f"moe_combine: y must be [S, H], pos and w [N, k]; got {tuple(y.shape)}, "
             f"{tuple(pos.shape)}, {tuple(w.shape)}"
         )
-    if pos.numel() != y.shape[0]:
+    if pos.numel() > y.shape[0]:
         raise ValueError(f"moe_combine: pos has {pos.numel()} entries for {y.shape[0]} rows of y")
 
 

@@ -27,16 +27,16 @@ def routed(n, k, hidden, dtype, device="cpu", seed=0):
 @pytest.mark.parametrize("n,k,hidden", [(1, 1, 7), (37, 3, 100), (130, 8, 64)])
 def test_reference_is_the_weighted_sum_of_each_tokens_rows(n, k, hidden):
     y, pos, w = routed(n, k, hidden, torch.float64)
-    want = torch.stack(
-        [sum(w[t, j] * y[pos[t, j]] for j in range(k)) for t in range(n)]
-    )
+    want = torch.stack([sum(w[t, j] * y[pos[t, j]] for j in range(k)) for t in range(n)])
     torch.testing.assert_close(moe_combine_ref(y, pos, w), want)
 
 
 def test_bad_shapes_are_one_line():
     y, pos, w = routed(4, 2, 8, torch.float32)
-    with pytest.raises(ValueError, match="pos has 6 entries for 8 rows"):
-        moe_combine_ref(y, pos[:3], w[:3])
+    with pytest.raises(ValueError, match="pos has 8 entries for 6 rows"):
+        moe_combine_ref(y[:6], pos, w)
+    padded = torch.cat([y, torch.full_like(y[:3], float("nan"))])  # rows pos never names
+    torch.testing.assert_close(moe_combine_ref(padded, pos, w), moe_combine_ref(y, pos, w))
     with pytest.raises(ValueError, match=r"y must be \[S, H\]"):
         moe_combine_ref(y[None], pos, w)
 

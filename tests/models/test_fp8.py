@@ -239,6 +239,41 @@ def test_triton_backend_interpreted():
     assert res.returncode == 0 and re.search(r"\b1 passed", tail), tail
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
+def test_compiled_layers_fuse_the_fp8_experts(fresh):
+    """The compiled layers' experts forward takes `kernels.fp8_moe` for FP8 experts with the
+    default gate (checked at install). transformers' experts forward rounds each expert's
+    weighted output to bf16 before the sum, `fp8_moe` (like `moe_combine`) sums in fp32: each is
+    held to its own reference, the fused one with the spread between the two references added to
+    the tolerance (`fp8_moe_experts_ref` is the fused arithmetic in PyTorch)."""
+    from rbs_bench.models import fastpath
+
+    fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**fp8.entry_points("triton"))
+    experts = fp8_experts_module("grouped_mm", "cuda")
+    assert fastpath._grouped_experts(experts) and fastpath._fp8_fusable(experts)
+    experts._rbs_fp8_fused = True
+    idx, weights = routing(300, 4, 2, "cuda")
+    x = torch.randn(300, 256, generator=torch.Generator().manual_seed(7)).cuda().bfloat16()
+    with torch.no_grad():
+        fused = fastpath._experts_forward(experts, x, idx, weights)
+        own = experts(x, idx, weights)
+        ref, exact = experts_truth(experts, x, idx, weights)
+        from rbs_bench.kernels.fp8_moe import fp8_moe_experts_ref
+
+        fused_ref = fp8_moe_experts_ref(
+            x, idx, weights, experts.gate_up_proj, experts.gate_up_proj_scale_inv,
+            experts.down_proj, experts.down_proj_scale_inv,
+        )  # fmt: skip
+    assert_rows_close(own, ref, exact)
+    err = (fused.double() - fused_ref.double()).norm(dim=-1)
+    spread = (fused_ref.double() - ref.double()).norm(dim=-1)
+    tol = 2 * spread + 0.05 * (ref.double() - exact).norm(dim=-1) + 1e-30
+    assert bool((err <= tol).all()), float((err / tol).max())
+    cpu = fp8_experts_module("grouped_mm", "cpu")
+    assert not fastpath._fp8_fusable(cpu)  # the four passes need a GPU
+
+
 # ------------------------------------------------------ a quantised model on the GPU
 
 

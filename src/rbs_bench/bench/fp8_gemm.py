@@ -237,12 +237,115 @@ def time_grouped(name, tokens, rep_ms) -> dict:
     return _time_row(ms, 2.0 * x.shape[0] * n * k, base) | configs
 
 
+def routes(tokens, seed, device=None):
+    """(top_k_index [T, 8], softmax weights [T, 8] bf16) of `tokens` tokens routed top-8 of 128
+    uniformly."""
+    device = device or DEVICE
+    gen = torch.Generator(device=device).manual_seed(seed)
+    scores, index = torch.rand(tokens, NUM_EXPERTS, generator=gen, device=device).topk(TOP_K)
+    return index, torch.softmax(scores, -1).to(torch.bfloat16)
+
+
+def experts_inputs(tokens):
+    (gu, gu_s), (dn, dn_s) = (
+        quantized_weight((NUM_EXPERTS, *EXPERTS[name]), seed=sum(EXPERTS[name]))
+        for name in ("gate_up", "down")
+    )
+    index, weights = routes(tokens, seed=tokens)
+    x = activations(tokens, EXPERTS["gate_up"][1], seed=tokens)
+    return x, index, weights, gu, gu_s, dn, dn_s
+
+
+def experts_unfused(x, index, weights, gu, gu_s, dn, dn_s, grouped=None):
+    """The experts block as a layer ran it before `fp8_moe`: a bf16 gather, each grouped product
+    quantising its own input, the gate in bf16, the weighted sum (`grouped`: bf16 grouped_mm on
+    the dequantised weights instead)."""
+    from rbs_bench.kernels.fp8_moe import silu_gate_ref
+    from rbs_bench.kernels.moe_combine import moe_combine
+
+    n, k = index.shape
+    ids, perm = torch.sort(index.reshape(-1))
+    offsets = torch.bincount(ids, minlength=NUM_EXPERTS).cumsum(0).to(torch.int32)
+    rows = x[perm // k]
+    if grouped is None:
+        h = fk.fp8_grouped_linear(rows, gu, gu_s, offsets, BLOCK)
+        y = fk.fp8_grouped_linear(silu_gate_ref(h), dn, dn_s, offsets, BLOCK)
+    else:
+        h = grouped_mm()(rows, grouped[0], offs=offsets)
+        y = grouped_mm()(silu_gate_ref(h), grouped[1], offs=offsets)
+    pos = torch.empty_like(perm)
+    pos[perm] = torch.arange(perm.numel(), device=perm.device)
+    return moe_combine(y, pos.view(n, k), weights)
+
+
+def check_experts(tokens, variant) -> dict:
+    """The whole experts block (`fp8_moe_experts`, cuBLAS or Triton products) against
+    `fp8_moe_experts_ref` in bf16 on 256 sampled tokens, per token: ||kernel - ref|| <=
+    2 ||ref - ref in fp32|| + 0.05 ||ref in fp32 - exact|| (exact: fp64 without quantisation)."""
+    import os
+
+    from rbs_bench.kernels.fp8_moe import fp8_moe_experts, fp8_moe_experts_ref
+
+    x, index, weights, gu, gu_s, dn, dn_s = experts_inputs(tokens)
+    os.environ["RBS_BENCH_FP8_CUBLAS_GROUPED"] = "1" if variant == "cublas" else "0"
+    try:
+        got = fp8_moe_experts(x, index, weights, gu, gu_s, dn, dn_s, BLOCK)
+    finally:
+        os.environ.pop("RBS_BENCH_FP8_CUBLAS_GROUPED")
+    rows = sample_rows(tokens, seed=3)[:256]
+    sub = (x[rows], index[rows], weights[rows])
+    ref = fp8_moe_experts_ref(*sub, gu, gu_s, dn, dn_s, BLOCK).double()  # bf16, as the layer
+    ref32 = fp8_moe_experts_ref(sub[0].float(), sub[1], sub[2].float(), gu, gu_s, dn, dn_s, BLOCK)
+    wg = fk.dequantize_weight_ref(gu, gu_s, BLOCK).double()
+    wd = fk.dequantize_weight_ref(dn, dn_s, BLOCK).double()
+    exact = torch.zeros(rows.numel(), x.shape[1], dtype=torch.float64, device=x.device)
+    for t in range(rows.numel()):
+        e = sub[1][t]  # the token's 8 experts
+        gate, up = torch.einsum("jnk,k->jn", wg[e], sub[0][t].double()).chunk(2, -1)
+        ys = torch.einsum("jnk,jk->jn", wd[e], F.silu(gate) * up)
+        exact[t] = (sub[2][t, :, None].double() * ys).sum(0)
+    # the bf16 pipeline's own spread (its roundings of h and the gate) stands in for the
+    # output rounding of the plain products' rule
+    err = (got[rows].double() - ref).norm(dim=-1)
+    tol = 2 * (ref - ref32.double()).norm(dim=-1) + 0.05 * (ref32.double() - exact).norm(dim=-1)
+    return {"ratio": float((err / (tol + 1e-30)).max()), "rows_checked": int(rows.numel())}
+
+
+def time_experts(tokens, rep_ms) -> dict:
+    """The experts block of `tokens` tokens (a feed-forward chunk): `fp8_moe_experts` as the layer
+    runs it, with Triton products, the unfused FP8 path, and bf16 grouped_mm the same way.
+    TFLOP/s count both products."""
+    import os
+
+    from rbs_bench.kernels.fp8_moe import fp8_moe_experts
+
+    args = experts_inputs(tokens)
+    ms = {}
+    ms["fp8"] = do_bench(lambda: fp8_moe_experts(*args, BLOCK), rep_ms)
+    os.environ["RBS_BENCH_FP8_CUBLAS_GROUPED"] = "0"
+    try:
+        ms["fp8_triton"] = do_bench(lambda: fp8_moe_experts(*args, BLOCK), rep_ms)
+        ms["fp8_unfused_triton"] = do_bench(lambda: experts_unfused(*args), rep_ms)
+    finally:
+        os.environ.pop("RBS_BENCH_FP8_CUBLAS_GROUPED")
+    ms["fp8_unfused"] = do_bench(lambda: experts_unfused(*args), rep_ms)
+    if grouped_mm() is not None:
+        w = [
+            fk.dequantize_weight_ref(w, sc, BLOCK).to(torch.bfloat16).transpose(-2, -1)
+            for w, sc in ((args[3], args[4]), (args[5], args[6]))
+        ]
+        ms["bf16_grouped_mm"] = do_bench(lambda: experts_unfused(*args, grouped=w), rep_ms)
+    flops = 2.0 * tokens * TOP_K * sum(n * k for n, k in EXPERTS.values())
+    return _time_row(ms, flops, "bf16_grouped_mm" if "bf16_grouped_mm" in ms else None)
+
+
 def _time_row(ms: dict, flops: float, baseline: str | None) -> dict:
     row = {f"ms_{key}": v for key, v in ms.items()}
     row |= {f"tflops_{key}": flops / v / 1e9 for key, v in ms.items()}
     if baseline is not None:
         row["x_vs_bf16"] = ms[baseline] / ms["fp8"]
-        row["x_fused_vs_bf16"] = ms[baseline] / ms["fp8_fused"]
+        if "fp8_fused" in ms:
+            row["x_fused_vs_bf16"] = ms[baseline] / ms["fp8_fused"]
     return row
 
 
@@ -255,13 +358,21 @@ def plan(tokens: list[int]) -> list[tuple]:
         for t in (*CHECK_TOKENS, max(tokens)):
             for variant in ("default", "fused", *(("cublas",) if cublas else ())):
                 rows.append((f"check-{layer}-{t}-{variant}", "check", layer, t, variant))
+    for t in (CHECK_TOKENS[-1], max(tokens)):
+        for variant in ("default", *(("cublas",) if fp8_gpu(9, 0) else ())):
+            rows.append((f"check-experts-{t}-{variant}", "check", "experts", t, variant))
     for t in tokens:
-        for layer in (*LINEAR, *EXPERTS):
+        for layer in (*LINEAR, *EXPERTS, "experts"):
             rows.append((f"time-{layer}-{t}", "time", layer, t, ""))
     return rows
 
 
 def run_row(kind, layer, tokens, variant, rep_ms) -> dict:
+    if layer == "experts":
+        if kind == "check":
+            res = check_experts(tokens, variant)
+            return res | {"check": "PASS" if res["ratio"] <= 1.0 else "FAIL"}
+        return time_experts(tokens, rep_ms)
     grouped = layer in EXPERTS
     if kind == "check":
         res = (check_grouped if grouped else check_linear)(layer, tokens, variant)
@@ -289,12 +400,33 @@ def print_table(rows: list[dict]) -> None:
             base_tf = _first(r, "tflops_bf16_cublas", "tflops_bf16_grouped_mm")
             print(
                 f"{r['layer']} | {r['tokens']} | {r['ms_fp8']:.3f} ({r['tflops_fp8']:.0f}) | "
-                f"{r['ms_fp8_quant']:.3f} | {r['ms_fp8_gemm']:.3f} | {r['ms_fp8_fused']:.3f} | "
-                f"{base:.3f} ({base_tf:.0f}) | {r.get('x_vs_bf16', math.nan):.2f} | "
-                f"{r.get('x_fused_vs_bf16', math.nan):.2f} | "
+                f"{_first(r, 'ms_fp8_quant'):.3f} | {_first(r, 'ms_fp8_gemm'):.3f} | "
+                f"{_first(r, 'ms_fp8_fused'):.3f} | "
+                f"{base:.3f} ({base_tf:.0f}) | {_first(r, 'x_vs_bf16'):.2f} | "
+                f"{_first(r, 'x_fused_vs_bf16'):.2f} | "
                 f"{_first(r, 'ms_fp8_cublas_tensorwise'):.3f} "
                 f"({_first(r, 'tflops_fp8_cublas_tensorwise'):.0f})"
             )
+        for line in layer_sums(times):
+            print(line)
+
+
+def layer_sums(times: list[dict]) -> list[str]:
+    """Per token count with every layer timed: a decoder layer's products, q + k + v + o + the
+    experts block (gather, both products, gate, weighted sum), FP8 against bf16."""
+    lines = []
+    for t in sorted({r["tokens"] for r in times}):
+        at = {r["layer"]: r for r in times if r["tokens"] == t}
+        if not {"q", "k", "o", "experts"} <= set(at):
+            continue
+        parts = ("q", "k", "k", "o", "experts")  # v has k's shape
+        fp8 = sum(_first(at[p], "ms_fp8") for p in parts)
+        bf16 = sum(_first(at[p], "ms_bf16_cublas", "ms_bf16_grouped_mm") for p in parts)
+        lines.append(
+            f"a layer's products at {t} tokens (q, k, v, o, the experts block): "
+            f"FP8 {fp8:.2f} ms, bf16 {bf16:.2f} ms, {fp8 / bf16:.2f}x"
+        )
+    return lines
 
 
 def _first(row: dict, *keys) -> float:

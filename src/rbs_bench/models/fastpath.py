@@ -85,6 +85,7 @@ def install(model: torch.nn.Module, compile: bool = True) -> int:
         _set_forward(layer.mlp, _bind(_feedforward, layer.mlp), saved)
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and _grouped_experts(experts):
+            experts._rbs_fp8_fused = _fp8_fusable(experts)
             _set_forward(experts, types.MethodType(_experts_forward, experts), saved)
         attn = layer.self_attn
         if type(attn).__name__ in ATTENTION_CLASSES:
@@ -256,13 +257,48 @@ def _grouped_experts(experts: torch.nn.Module) -> bool:
     )
 
 
+def _fp8_fusable(experts: torch.nn.Module) -> bool:
+    """Block-FP8 experts (activation groups of 128) whose gate is transformers' default on
+    concatenated [gate; up] weights, silu(gate) * up, checked on a small input: the experts
+    `kernels.fp8_moe` runs in four passes. RBS_BENCH_FP8_MOE=0 keeps the unfused path."""
+    import os
+
+    from rbs_bench.kernels.fp8_moe import silu_gate_ref
+
+    weight = experts.gate_up_proj
+    block = getattr(experts, "block_size", None)
+    if (
+        os.environ.get("RBS_BENCH_FP8_MOE", "1") == "0"
+        or weight.element_size() != 1
+        or weight.device.type != "cuda"
+        or block is None
+        or int(block[1]) != 128
+        or not getattr(experts, "is_concatenated", True)
+    ):
+        return False
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    h = torch.randn(8, weight.shape[1], generator=gen, device=weight.device).to(torch.bfloat16)
+    with torch.no_grad():
+        return torch.equal(experts._apply_gate(h), silu_gate_ref(h))
+
+
 def _experts_forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
     """The experts of a MoE block: rows sorted by expert, two grouped GEMMs, the gated
     activation, and each token's weighted sum in one pass (`kernels.moe_combine`) instead of
-    transformers' unpermute-multiply-sum over a new [N x k, H] buffer.
+    transformers' unpermute-multiply-sum over a new [N x k, H] buffer. Block-FP8 experts with
+    the default gate run as one op, `kernels.fp8_moe` (quantised rows gathered, the gate fused
+    with the down product's quantisation).
 
     hidden [N, H], top_k_index / top_k_weights [N, k] -> [N, H]."""
     from rbs_bench.kernels.moe_combine import moe_combine
+
+    if getattr(self, "_rbs_fp8_fused", False):
+        from rbs_bench.kernels.fp8_moe import fp8_moe_experts
+
+        return fp8_moe_experts(
+            hidden, top_k_index, top_k_weights, self.gate_up_proj, self.gate_up_proj_scale_inv,
+            self.down_proj, self.down_proj_scale_inv, self.block_size,
+        )  # fmt: skip
 
     n, k = top_k_index.shape
     ids, perm = torch.sort(top_k_index.reshape(-1))

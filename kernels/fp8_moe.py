@@ -1,0 +1,505 @@
+"""The experts of a block-FP8 mixture-of-experts layer in a prefill, in four passes over the rows.
+
+A top-k MoE block sends each of its N tokens to k experts. Written with the grouped product of
+`fp8_gemm` alone, the experts cost, besides their two products: a gather of the N x k rows into
+a new bf16 buffer, their quantisation (a second pass over that buffer), the gated activation
+(one more bf16 buffer) and its quantisation. `fp8_moe_experts` does the same arithmetic in four
+passes:
+
+1. `_gather_quant_kernel`: each row reads its token's hidden state and writes it quantised
+   (e4m3 and one fp32 scale per 128-wide group, the activations' format in `fp8_gemm`), so the
+   bf16 gather buffer is never written;
+2. the gate_up product of each expert's rows;
+3. `_gated_quant_kernel`: silu(gate) * up, rounded to the hidden dtype as transformers rounds it,
+   then quantised for the down product (one read of the gate_up output, FP8 written);
+4. the down product, then `moe_combine`: each token's weighted sum of its k rows.
+
+Row layout (`expert_rows`). The rows are sorted by expert and each expert's rows are padded with
+zero rows to a multiple of `PAD_ROWS` = 4, the row counts cuBLAS's block-scaled GEMM accepts,
+into R = N x k + 3 E rows (the rows past the last expert are unused). Computed on the device; the
+host reads the experts' row ranges once per call when cuBLAS runs the products.
+
+Products. On Hopper with 128 x 128 weight blocks each expert's product is one call of cuBLAS's
+block-scaled FP8 GEMM (`torch._scaled_mm`, see `fp8_gemm.cublas_linear`), writing straight into
+its rows of the output. cuBLAS reads an activation scale tensor [m, K / 128] stored row-count-
+major, so pass 1 and 3 write each expert's scales as one such block (`blocked` scales). A weight
+whose K / 128 is not a multiple of 4 (down: K = 768) has its scales laid out as this torch build's
+cuBLAS reads them (`cublas_weight_scales`, decided once per device against the Triton product).
+Elsewhere the products are the grouped Triton kernel of `fp8_gemm` on the quantised rows, with
+group-major scales [K / 128, R].
+
+The values equal `fp8_moe_experts_ref`'s, the same steps in PyTorch (the gather, the references
+of `fp8_gemm`, transformers' gate, `moe_combine_ref`), up to the products' fp32 summation order;
+quantising a row and gathering it commute exactly. Exposed as the custom op
+`rbs_bench::fp8_moe_experts`, opaque to torch.compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from . import fp8_gemm
+from .fp8_gemm import CUBLAS_BLOCK, FP8_DTYPE, _e4m3_rne, fp8_grouped_linear_ref
+from .moe_combine import _launch as _combine
+from .moe_combine import moe_combine_ref
+from .triton_util import INTERPRET, check_triton_launch, jit, tl, triton
+
+PAD_ROWS = 4  # cuBLAS's block-scaled recipe takes row counts that are a multiple of 4
+BLOCK_ROWS = 32  # rows per program of the two quantisation passes
+# cuBLAS runs the products from this many rows per expert on average. Each expert's call costs
+# the host about 50 us; at 2,048 rows per expert (a 32K-token chunk of Qwen3-30B-A3B) the calls
+# leave the GPU waiting and the block took 14.5 ms against 6.4 ms on Triton; at 8,192 rows
+# (128K tokens) 16.9 ms against 22.8 ms (H100, results/speed/fp8_gemm_*.csv, layer experts).
+CUBLAS_MIN_ROWS = 6144
+
+
+# ------------------------------------------------------------------------------ reference
+
+
+def silu_gate_ref(h: Tensor) -> Tensor:
+    """transformers' default gate of a concatenated gate_up output [S, 2I]: silu(gate) * up, each
+    step rounded to h's dtype."""
+    gate, up = h.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _sorted_rows(top_k_index: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(expert ids sorted, the sort's permutation of the N x k slots, per-expert row counts)."""
+    flat = top_k_index.reshape(-1).long()
+    ids, perm = torch.sort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    return ids, perm, counts
+
+
+def fp8_moe_experts_ref(
+    hidden: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    gate_up: Tensor,
+    gate_up_scale_inv: Tensor,
+    down: Tensor,
+    down_scale_inv: Tensor,
+    block_size=(128, 128),
+) -> Tensor:
+    """hidden [N, H], top_k_index / top_k_weights [N, k], gate_up [E, 2I, H], down [E, H, I]
+    (e4m3, with their block scales) -> [N, H] in hidden's dtype: every (token, expert) row through
+    its expert's gate_up, transformers' gate, its down, then each token's weighted sum."""
+    n, k = top_k_index.shape
+    _, perm, counts = _sorted_rows(top_k_index, gate_up.shape[0])
+    offsets = torch.cumsum(counts, 0)
+    x = hidden[perm // k]
+    h = fp8_grouped_linear_ref(x, gate_up, gate_up_scale_inv, offsets, block_size)
+    y = fp8_grouped_linear_ref(silu_gate_ref(h), down, down_scale_inv, offsets, block_size)
+    pos = torch.empty_like(perm)
+    pos[perm] = torch.arange(perm.numel(), device=perm.device)
+    return moe_combine_ref(y, pos.view(n, k), top_k_weights.to(y.dtype))
+
+
+# ------------------------------------------------------------------------------ row layout
+
+
+@dataclass
+class ExpertRows:
+    """The padded, expert-sorted row layout of one call (all on the device).
+
+    src [R] int32: the token each row reads, -1 for a padding or unused row; pos [N, k] int64:
+    the row of each (token, slot); ends [E] int32: cumulative row ends of the experts (each a
+    multiple of PAD_ROWS); first / count [R] int32: the first row and the row count of the
+    expert a row belongs to (the rows past ends[-1] form one more block), for blocked scales."""
+
+    src: Tensor
+    pos: Tensor
+    ends: Tensor
+    first: Tensor
+    count: Tensor
+
+    @property
+    def rows(self) -> int:
+        return self.src.shape[0]
+
+
+def expert_rows(top_k_index: Tensor, num_experts: int) -> ExpertRows:
+    """The layout of the module docstring for top_k_index [N, k] (ids in [0, E)); no host sync."""
+    n, k = top_k_index.shape
+    slots = n * k
+    rows = slots + (PAD_ROWS - 1) * num_experts
+    dev = top_k_index.device
+    ids, perm, counts = _sorted_rows(top_k_index, num_experts)
+    padded = (counts + PAD_ROWS - 1) // PAD_ROWS * PAD_ROWS
+    ends = torch.cumsum(padded, 0)
+    first = ends - padded
+    start = torch.cumsum(counts, 0) - counts
+    row = first[ids] + torch.arange(slots, device=dev) - start[ids]  # the row of sorted slot j
+    src = torch.full((rows,), -1, dtype=torch.int32, device=dev)
+    src[row] = (perm // k).to(torch.int32)
+    pos = torch.empty(slots, dtype=torch.int64, device=dev)
+    pos[perm] = row
+    block = torch.searchsorted(ends, torch.arange(rows, device=dev), right=True)  # E: unused
+    first_all = torch.cat([first, ends[-1:]])
+    count_all = torch.cat([padded, rows - ends[-1:]])
+    return ExpertRows(
+        src=src,
+        pos=pos.view(n, k),
+        ends=ends.to(torch.int32),
+        first=first_all[block].to(torch.int32),
+        count=count_all[block].to(torch.int32),
+    )
+
+
+# ------------------------------------------------------------------------------ kernels
+
+
+@jit
+def _quant_store(
+    y,
+    rows,
+    cols,
+    r_ok,
+    c_ok,
+    XQ,
+    XS,
+    First,
+    Count,
+    R,
+    stride_qm,
+    G,
+    BLOCKED: tl.constexpr,
+    ROUND: tl.constexpr,
+):
+    """Quantise the [BLOCK_ROWS, GROUP] fp32 tile y (group pid 1) and store it and its scales."""
+    s = tl.maximum(tl.max(tl.abs(y), 1), 1e-10) / 448.0
+    q = tl.minimum(tl.maximum(y / s[:, None], -448.0), 448.0)
+    if ROUND:
+        q = _e4m3_rne(q)
+    rows64 = rows.to(tl.int64)
+    ok = r_ok[:, None] & c_ok[None, :]
+    tl.store(XQ + rows64[:, None] * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=ok)
+    g = tl.program_id(1)
+    if BLOCKED:  # expert x's scales: [G, count_x] at G * first_x, row-count-major
+        first = tl.load(First + rows, mask=r_ok, other=0).to(tl.int64)
+        count = tl.load(Count + rows, mask=r_ok, other=0).to(tl.int64)
+        where = (G - 1) * first + rows64 + g * count
+    else:  # group-major [G, R]
+        where = g * R + rows64
+    tl.store(XS + where, s, mask=r_ok)
+
+
+@jit
+def _rounded(x, DTYPE: tl.constexpr):
+    """fp32 x rounded to DTYPE (nearest, ties to even), as fp32. bf16 by its bits: Triton's
+    interpreter does not round fp32 -> bf16 casts to nearest (triton 3.9)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+@jit
+def _gather_quant_kernel(
+    X,
+    Src,
+    XQ,
+    XS,
+    First,
+    Count,
+    R,
+    K,
+    stride_xm,
+    stride_qm,
+    G,
+    BLOCKED: tl.constexpr,
+    ROUND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    # one program: BLOCK_M rows x one group of K; row r reads token Src[r] (-1: a zero row)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    r_ok = rows < R
+    c_ok = cols < K
+    src = tl.load(Src + rows, mask=r_ok, other=-1)
+    live = src >= 0
+    x_ptrs = X + src.to(tl.int64)[:, None] * stride_xm + cols[None, :]
+    x = tl.load(x_ptrs, mask=live[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    _quant_store(x, rows, cols, r_ok, c_ok, XQ, XS, First, Count, R, stride_qm, G, BLOCKED, ROUND)
+
+
+@jit
+def _gated_quant_kernel(
+    H,
+    XQ,
+    XS,
+    First,
+    Count,
+    R,
+    INTER,
+    stride_hm,
+    stride_qm,
+    G,
+    BLOCKED: tl.constexpr,
+    ROUND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    # silu(gate) * up of h = [gate | up] [R, 2I], each step rounded to h's dtype as transformers'
+    # gate computes it, then quantised
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    r_ok = rows < R
+    c_ok = cols < INTER
+    ok = r_ok[:, None] & c_ok[None, :]
+    ptrs = H + rows.to(tl.int64)[:, None] * stride_hm + cols[None, :]
+    gate = tl.load(ptrs, mask=ok, other=0.0)
+    up = tl.load(ptrs + INTER, mask=ok, other=0.0)
+    gf = gate.to(tl.float32)
+    act = _rounded(gf / (1.0 + tl.exp(-gf)), gate.dtype)
+    y = _rounded(act * up.to(tl.float32), gate.dtype)
+    _quant_store(y, rows, cols, r_ok, c_ok, XQ, XS, First, Count, R, stride_qm, G, BLOCKED, ROUND)
+
+
+def _quantised_rows(
+    kernel, x: Tensor, layout: ExpertRows, width: int, blocked: bool, *extra
+) -> tuple[Tensor, Tensor]:
+    """(e4m3 rows [R, width], fp32 scales [G * R]) from one launch of a quantisation pass."""
+    r = layout.rows
+    groups = triton.cdiv(width, CUBLAS_BLOCK[1])
+    xq = torch.empty(r, width, dtype=FP8_DTYPE, device=x.device)
+    xs = torch.empty(groups * r, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(r, BLOCK_ROWS), groups)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    kernel[grid](
+        x, *extra, xq, xs, layout.first, layout.count, r, width, x.stride(0), xq.stride(0), groups,
+        BLOCKED=blocked, ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1], num_warps=4,
+    )  # fmt: skip
+    return xq, xs
+
+
+def gather_quant(x: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, Tensor]:
+    """Pass 1: row r of the layout = x[src[r]] quantised (zeros where src is -1)."""
+    check_triton_launch("gather_quant", x, layout.src)
+    return _quantised_rows(_gather_quant_kernel, x, layout, x.shape[1], blocked, layout.src)
+
+
+def gated_quant(h: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, Tensor]:
+    """Pass 3: silu(gate) * up of h [R, 2I] quantised, [R, I]."""
+    check_triton_launch("gated_quant", h, layout.ends)
+    return _quantised_rows(_gated_quant_kernel, h, layout, h.shape[1] // 2, blocked)
+
+
+# ------------------------------------------------------------------------------ products
+
+
+def _padded_view(s: Tensor) -> Tensor:
+    """[..., nb, kb] scales stored with rows of round_up(kb, 4) (zeros past kb), seen as a
+    tensor of strides (kb, 1): the storage cuBLAS reads, behind the strides torch checks."""
+    nb, kb = s.shape[-2:]
+    kb4 = -(-kb // 4) * 4
+    store = torch.zeros(*s.shape[:-2], nb, kb4, dtype=torch.float32, device=s.device)
+    store[..., :kb] = s
+    lead = s.shape[:-2]
+    size = (*lead, nb, kb)
+    stride = (*[nb * kb4] * len(lead), kb, 1)
+    return store.as_strided(size, stride)
+
+
+def _padded_strides(s: Tensor) -> Tensor:
+    """The same storage, seen with its own strides (round_up(kb, 4), 1)."""
+    nb, kb = s.shape[-2:]
+    kb4 = -(-kb // 4) * 4
+    store = torch.zeros(*s.shape[:-2], nb, kb4, dtype=torch.float32, device=s.device)
+    store[..., :kb] = s
+    return store[..., :kb]
+
+
+SCALE_LAYOUTS = {"plain": lambda s: s.float().contiguous(), "padded_view": _padded_view,
+                 "padded_strides": _padded_strides}  # fmt: skip
+
+
+@functools.cache
+def _weight_scale_layout(device: torch.device, kb: int) -> str | None:
+    """The layout of `SCALE_LAYOUTS` under which cuBLAS multiplies a weight of kb scale columns
+    exactly as the Triton kernel does, tried once per device on a small product; None: none."""
+    if kb % 4 == 0:
+        return "plain"
+    gen = torch.Generator(device=device).manual_seed(0)
+    k = kb * CUBLAS_BLOCK[1]
+    x = torch.randn(8, k, generator=gen, device=device).to(torch.bfloat16)
+    w = (torch.randn(512, k, generator=gen, device=device) * 8).to(FP8_DTYPE)
+    s = torch.rand(4, kb, generator=gen, device=device) / 64 + 1e-3
+    ref = fp8_gemm._launch(x, w, s, CUBLAS_BLOCK, out_dtype=torch.float32)
+    a, a_s = fp8_gemm.fp8_act_quant(x, CUBLAS_BLOCK[1])
+    for name, layout in SCALE_LAYOUTS.items():
+        try:
+            got = torch._scaled_mm(
+                a, w.t(), a_s.t(), layout(s).t(), out_dtype=torch.bfloat16
+            ).float()
+        except RuntimeError:
+            continue
+        if bool(torch.isfinite(got).all()) and float((got - ref).norm() / ref.norm()) < 1e-2:
+            return name
+    return None
+
+
+def cublas_weight_scales(weight_scale_inv: Tensor) -> Tensor | None:
+    """The experts' scales [E, nb, kb] as cuBLAS reads them on this device, or None when no
+    layout works (the product then stays on Triton)."""
+    name = _weight_scale_layout(weight_scale_inv.device, weight_scale_inv.shape[-1])
+    return None if name is None else SCALE_LAYOUTS[name](weight_scale_inv)
+
+
+def _cublas_products(
+    xq: Tensor, xs: Tensor, weight: Tensor, scales: Tensor, spans: list, out_dtype
+) -> Tensor:
+    """Each expert's rows [first, first + count) times its weight, one cuBLAS call each, into
+    one [R, N] output (blocked scales); unused rows are zeros."""
+    r, k = xq.shape
+    groups = k // CUBLAS_BLOCK[1]
+    out = torch.empty(r, weight.shape[1], dtype=out_dtype, device=xq.device)
+    used = 0
+    for e, (first, count) in enumerate(spans):
+        if count == 0:
+            continue
+        a_s = xs[groups * first : groups * (first + count)].view(groups, count).t()
+        torch._scaled_mm(
+            xq[first : first + count], weight[e].t(), a_s, scales[e].t(),
+            out_dtype=out_dtype, out=out[first : first + count],
+        )  # fmt: skip
+        used = first + count
+    out[used:].zero_()
+    return out
+
+
+def _triton_products(
+    xq: Tensor, xs: Tensor, weight: Tensor, scale_inv: Tensor, layout: ExpertRows, block, dtype
+) -> Tensor:
+    groups = xs.numel() // layout.rows
+    quantized = (xq, xs.view(groups, layout.rows))
+    return fp8_gemm._launch(
+        xq, weight, scale_inv, block, layout.ends, out_dtype=dtype, quantized=quantized
+    )
+
+
+def _use_cublas(rows: int, hidden: Tensor, gate_up: Tensor, down: Tensor, block) -> bool:
+    """cuBLAS for both products: at least `CUBLAS_MIN_ROWS` rows per expert on average (fewer,
+    a short chunk or a decode step, stay on one Triton launch each, without a host read), bf16,
+    128 x 128 blocks, N a multiple of 512 and K of 128 (a K / 128 that is not a multiple of 4
+    takes `cublas_weight_scales`)."""
+    shapes_ok = all(
+        w.shape[1] % fp8_gemm.CUBLAS_ALIGN == 0 and w.shape[2] % CUBLAS_BLOCK[1] == 0
+        for w in (gate_up, down)
+    )
+    return (
+        hidden.is_cuda
+        and not INTERPRET
+        and hidden.dtype == torch.bfloat16
+        and os.environ.get("RBS_BENCH_FP8_CUBLAS_GROUPED", "1") != "0"
+        and rows >= CUBLAS_MIN_ROWS * gate_up.shape[0]
+        and tuple(int(b) for b in block) == CUBLAS_BLOCK
+        and shapes_ok
+        and fp8_gemm._cublas_works(hidden.device)
+    )
+
+
+def _experts(hidden, top_k_index, top_k_weights, gate_up, gu_s, down, d_s, block) -> Tensor:
+    dtype = hidden.dtype
+    layout = expert_rows(top_k_index, gate_up.shape[0])
+    scales = None
+    if _use_cublas(top_k_index.numel(), hidden, gate_up, down, block):
+        scales = [cublas_weight_scales(gu_s), cublas_weight_scales(d_s)]
+        scales = None if any(s is None for s in scales) else scales
+    if scales is not None:
+        ends = layout.ends.tolist()  # the one host read of the call
+        spans = [(first, end - first) for first, end in zip([0, *ends[:-1]], ends)]
+        xq, xs = gather_quant(hidden, layout, blocked=True)
+        h = _cublas_products(xq, xs, gate_up, scales[0], spans, dtype)
+        del xq, xs  # each buffer is freed as soon as it is read (a 128K-token call holds ~6 GiB)
+        aq, a_s = gated_quant(h, layout, blocked=True)
+        del h
+        y = _cublas_products(aq, a_s, down, scales[1], spans, dtype)
+    else:
+        xq, xs = gather_quant(hidden, layout, blocked=False)
+        h = _triton_products(xq, xs, gate_up, gu_s, layout, block, dtype)
+        del xq, xs
+        aq, a_s = gated_quant(h, layout, blocked=False)
+        del h
+        y = _triton_products(aq, a_s, down, d_s, layout, block, dtype)
+    return _combine(y, layout.pos, top_k_weights.to(dtype))
+
+
+@torch.library.custom_op("rbs_bench::fp8_moe_experts", mutates_args=())
+def _fp8_moe_experts_op(
+    hidden: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    gate_up: Tensor,
+    gate_up_scale_inv: Tensor,
+    down: Tensor,
+    down_scale_inv: Tensor,
+    block_n: int,
+    block_k: int,
+) -> Tensor:
+    args = (hidden, top_k_index, top_k_weights, gate_up, gate_up_scale_inv, down, down_scale_inv)
+    block = (block_n, block_k)
+    if hidden.is_cuda:
+        with torch.cuda.device(hidden.device):
+            return _experts(*args, block)
+    if INTERPRET:
+        return _experts(*args, block)
+    return fp8_moe_experts_ref(*args, block)
+
+
+@_fp8_moe_experts_op.register_fake
+def _(hidden, top_k_index, top_k_weights, gate_up, gate_up_scale_inv, down, down_scale_inv,
+      block_n, block_k):  # fmt: skip
+    return hidden.new_empty(hidden.shape)
+
+
+def _check(hidden, top_k_index, top_k_weights, gate_up, down, block_size) -> None:
+    n, h = hidden.shape
+    e, two_i, h2 = gate_up.shape
+    if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != n:
+        raise ValueError(
+            f"fp8_moe_experts: top_k_index and top_k_weights must be [N, k] for hidden [N, H]; "
+            f"got {tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}, {tuple(hidden.shape)}"
+        )
+    if h2 != h or two_i % 2 or down.shape != (e, h, two_i // 2):
+        raise ValueError(
+            f"fp8_moe_experts: gate_up must be [E, 2I, H] and down [E, H, I] for H = {h}; got "
+            f"{tuple(gate_up.shape)} and {tuple(down.shape)}"
+        )
+    if gate_up.dtype != FP8_DTYPE or down.dtype != FP8_DTYPE:
+        raise ValueError(
+            f"fp8_moe_experts takes e4m3 weights; got {gate_up.dtype} and {down.dtype}"
+        )
+    if block_size is None or tuple(int(b) for b in block_size)[1] != CUBLAS_BLOCK[1]:
+        raise ValueError(
+            f"fp8_moe_experts takes weight blocks of [bn, 128]; got block_size {block_size}"
+        )
+
+
+def fp8_moe_experts(
+    hidden: Tensor,
+    top_k_index: Tensor,
+    top_k_weights: Tensor,
+    gate_up: Tensor,
+    gate_up_scale_inv: Tensor,
+    down: Tensor,
+    down_scale_inv: Tensor,
+    block_size=(128, 128),
+) -> Tensor:
+    """The experts of a block-FP8 MoE with transformers' default SiLU gate (see the module
+    docstring): hidden [N, H], top_k_index / top_k_weights [N, k] (ids in [0, E)), gate_up
+    [E, 2I, H] ([gate; up] concatenated), down [E, H, I] -> [N, H] in hidden's dtype. Triton
+    and cuBLAS on a GPU (and Triton under TRITON_INTERPRET=1), `fp8_moe_experts_ref` on a CPU."""
+    _check(hidden, top_k_index, top_k_weights, gate_up, down, block_size)
+    return torch.ops.rbs_bench.fp8_moe_experts(
+        hidden, top_k_index, top_k_weights, gate_up, gate_up_scale_inv.float(),
+        down, down_scale_inv.float(), int(block_size[0]), int(block_size[1]),
+    )  # fmt: skip
