@@ -43,7 +43,7 @@ def small(monkeypatch):
     monkeypatch.setattr(bench, "TOP_K", 2)
     monkeypatch.setattr(bench, "CHECK_TOKENS", (1, 13))
     monkeypatch.setattr(bench, "SAMPLE_ROWS", 16)
-    monkeypatch.setattr(bench, "fp8_gpu", lambda: True)
+    monkeypatch.setattr(bench, "fp8_gpu", lambda major=8, minor=9: (major, minor) <= (8, 9))
     monkeypatch.setattr(bench, "environment", lambda: {"gpu": "cpu-test"})
     monkeypatch.setattr(bench, "do_bench", lambda fn, rep_ms: 1.0)
     monkeypatch.setattr(bench, "grouped_mm", lambda: None)
@@ -113,3 +113,20 @@ def test_needs_an_fp8_gpu(monkeypatch, capsys):
     monkeypatch.setattr(bench, "fp8_gpu", lambda: False)
     assert bench.main(["--out", "/nonexistent"]) == 2
     assert capsys.readouterr().err.startswith("rbs-bench: error:")
+
+
+def test_the_experts_block_rows_and_the_layer_sum(small, tmp_path, capsys):
+    """With both expert shapes, the plan checks and times the whole experts block (on the CPU
+    `fp8_moe_experts` is its reference, so its checks pass) and the summary adds a layer's
+    products: q, k, v, o and the block."""
+    small.setattr(bench, "LINEAR", {"q": (256, 128), "k": (128, 128), "o": (128, 256)})
+    small.setattr(bench, "EXPERTS", {"gate_up": (256, 128), "down": (128, 128)})
+    argv = ["--out", str(tmp_path), "--tokens", "40", "--rep-ms", "1"]
+    assert bench.main(argv) == 0
+    df = pd.read_csv(tmp_path / "fp8_gemm_cpu_test.csv")
+    assert {"check-experts-13-default", "check-experts-40-default", "time-experts-40"} <= set(
+        df["row"]
+    )
+    assert set(df[df["layer"] == "experts"]["check"].dropna()) == {"PASS"}
+    out = capsys.readouterr().out
+    assert "a layer's products at 40 tokens (q, k, v, o, the experts block)" in out

@@ -358,11 +358,12 @@ def plan(tokens: list[int]) -> list[tuple]:
         for t in (*CHECK_TOKENS, max(tokens)):
             for variant in ("default", "fused", *(("cublas",) if cublas else ())):
                 rows.append((f"check-{layer}-{t}-{variant}", "check", layer, t, variant))
-    for t in (CHECK_TOKENS[-1], max(tokens)):
+    block = ("experts",) if {"gate_up", "down"} <= set(EXPERTS) else ()  # the whole block
+    for t in (CHECK_TOKENS[-1], max(tokens)) if block else ():
         for variant in ("default", *(("cublas",) if fp8_gpu(9, 0) else ())):
             rows.append((f"check-experts-{t}-{variant}", "check", "experts", t, variant))
     for t in tokens:
-        for layer in (*LINEAR, *EXPERTS, "experts"):
+        for layer in (*LINEAR, *EXPERTS, *block):
             rows.append((f"time-{layer}-{t}", "time", layer, t, ""))
     return rows
 

@@ -201,9 +201,10 @@ def full_size_runs(src: Sources) -> str:
         path = src.results / "speed" / f"ttft_{gpu_tag}.csv"
         df = read_csv(src, path)
         df = df[(df["layers"] >= 48) & (df["model"] != "qwen3_30b_a3b") & (df["status"] == "ok")]
-        df = df.drop_duplicates(["model", "batch", "n", "method"], keep="last")
+        df = df.drop_duplicates(["model", "batch", "n", "method", "ffn_chunk_tokens"], keep="last")
         for model, grp in df.groupby("model", sort=False):
-            one = grp[grp["batch"] == 1]
+            chunk = grp["ffn_chunk_tokens"].iloc[-1]  # one setting: the latest run's
+            one = grp[(grp["batch"] == 1) & (grp["ffn_chunk_tokens"] == chunk)]
             parts = [
                 f"{r.method} {r.ttft_ms / 1e3:.2f} s ({times(r.ttft_speedup)}; attention "
                 f"{times(r.attention_speedup, '.1f')})"
@@ -211,13 +212,18 @@ def full_size_runs(src: Sources) -> str:
             ]
             n_gpus = int(one["gpus"].max()) if "gpus" in one else 1
             rows.append([model, f"TTFT, {int(one['layers'].iloc[0])} layers, {n_gpus} "
-                         f"{one['device'].iloc[0]}", "; ".join(parts),
+                         f"{one['device'].iloc[0]}, {_chunking(chunk)}", "; ".join(parts),
                          f"{_gib(one['peak_allocated_mib'].max())} (busiest GPU)"])  # fmt: skip
             files.append(path)
     head = ["model", "step (GPUs)", "measured", "peak allocated / estimate (GiB)"]
     note = "Random weights in each model's checkpoint layout, 128K tokens unless the row says "
     note += "otherwise, batch 1. "
     return md_table(head, rows, keys=4) + "\n" + note + sources_line(src, files) + "\n"
+
+
+def _chunking(chunk) -> str:
+    chunk = int(chunk) if pd.notna(chunk) else 0
+    return "feed-forward unchunked" if chunk in (0, 131072) else f"{chunk // 1024}K-token chunks"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -227,33 +227,53 @@ def cudnn_rate_128k(src: Sources) -> str:
 def fp8_gemm_h100(src: Sources) -> str:
     """`bench.fp8_gemm` on one H100: each FP8 layer's product at its largest token count as the
     model calls it (cuBLAS's block-scaled GEMM where it takes the shape, else Triton), its parts,
-    and bf16 cuBLAS on the same rows; the checks passed; the sum of a layer's products."""
+    and bf16 on the same rows; the experts block as the compiled layers run it (`fp8_moe`); the
+    checks passed; the sum of a layer's products at each token count."""
     path = speed_file(src, f"fp8_gemm_{H100}.csv")
     df = read_csv(src, path)
     checks = df[df["kind"] == "check"]
-    times = df[df["kind"] == "time"]
-    times = times[times["tokens"] == times["tokens"].max()]
-    rows, fp8, bf16 = [], 0.0, 0.0
+    every = df[df["kind"] == "time"]
+    times = every[every["tokens"] == every["tokens"].max()]
+    rows = []
     for _, r in times.iterrows():
-        base = r["ms_bf16_cublas"] if pd.notna(r.get("ms_bf16_cublas")) else r["ms_bf16_grouped_mm"]
+        base = _bf16_ms(r)
         cublas = pd.notna(r.get("ms_fp8_cublas_block")) or pd.notna(r.get("ms_fp8_cublas_grouped"))
         runs = "cuBLAS" if cublas else "Triton"
-        copies = 2 if r["layer"] == "k" else 1  # v has k's shape
-        fp8, bf16 = fp8 + copies * r["ms_fp8"], bf16 + copies * base
+        if r["layer"] == "experts":
+            runs = "`fp8_moe`, 4 passes"
+        elif r["layer"] in ("gate_up", "down"):
+            runs += ", alone (a part of experts)"
+        name = f"{r['layer']}{' (and v)' if r['layer'] == 'k' else ''}"
         rows.append([
-            f"{r['layer']}{' (and v)' if copies == 2 else ''}", runs,
-            f"{num(r['ms_fp8'], '.2f')} ({num(r['tflops_fp8'], '.0f')})",
-            num(r["ms_fp8_quant"], ".2f"), num(r.get("ms_fp8_cublas_block_gemm"), ".2f"),
-            num(r["ms_fp8_gemm"], ".2f"), f"{num(base, '.2f')}", f"{base / r['ms_fp8']:.2f}x",
+            name, runs, f"{num(r['ms_fp8'], '.2f')} ({num(r['tflops_fp8'], '.0f')})",
+            num(r.get("ms_fp8_quant"), ".2f"), num(r.get("ms_fp8_cublas_block_gemm"), ".2f"),
+            num(r.get("ms_fp8_gemm"), ".2f"), f"{num(base, '.2f')}", f"{base / r['ms_fp8']:.2f}x",
         ])  # fmt: skip
     head = ["layer", "runs on", "FP8 ms (TFLOP/s)", "its quantisation", "cuBLAS product alone"]
     head += ["Triton product alone", "bf16 ms", "bf16 / FP8"]
     passed = int((checks["check"] == "PASS").sum())
-    tokens = int(times["tokens"].max()) if len(times) else 0
-    return (
-        md_table(head, rows)
-        + f"\nAt {tokens:,} tokens; a layer's products: FP8 {fp8:.1f} ms, bf16 {bf16:.1f} ms "
-        f"({fp8 / bf16:.2f}x). Checks against the reference: {passed} of {len(checks)} pass. "
-        + sources_line(src, [path])
-        + "\n"
+    sums = []
+    for tokens, at in every.groupby("tokens"):
+        by = at.set_index("layer")
+        if not {"q", "k", "o", "experts"} <= set(by.index):
+            continue
+        parts = ["q", "k", "k", "o", "experts"]  # v has k's shape
+        fp8 = sum(float(by.loc[p, "ms_fp8"]) for p in parts)
+        bf16 = sum(_bf16_ms(by.loc[p]) for p in parts)
+        sums.append(f"{int(tokens):,} tokens: FP8 {fp8:.1f} ms, bf16 {bf16:.1f} ms "
+                    f"({fp8 / bf16:.2f}x)")  # fmt: skip
+    note = (
+        "The experts row is the whole block as the compiled layers run it (the quantised gather, "
+        "both products, the gate, the weighted sum) against bf16 `grouped_mm` with its gather, "
+        "gate and sum; gate_up and down are its products timed alone. A layer's products "
+        "(q, k, v, o and the experts block): " + "; ".join(sums) + ". "
+        f"Checks against the reference: {passed} of {len(checks)} pass. "
     )
+    return md_table(head, rows) + "\n" + note + sources_line(src, [path]) + "\n"
+
+
+def _bf16_ms(r) -> float:
+    """The bf16 time of a bench.fp8_gemm row: cuBLAS for a plain layer, grouped_mm for the
+    experts."""
+    cublas = r.get("ms_bf16_cublas")
+    return float(cublas) if pd.notna(cublas) else float(r["ms_bf16_grouped_mm"])
