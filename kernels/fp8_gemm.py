@@ -591,14 +591,18 @@ CUBLAS_BLOCK = (128, 128)  # the one block shape of cuBLAS's block-scaled recipe
 CUBLAS_ALIGN = 512  # K and N: a multiple of 4 blocks of 128 (K = 768 gave inf, see above)
 
 
-def cublas_shape_ok(n: int, k: int, block_size, activation_scale) -> bool:
+def cublas_shape_ok(
+    n: int, k: int, block_size, activation_scale, k_align: int = CUBLAS_ALIGN
+) -> bool:
     """Whether cuBLAS's block-scaled FP8 GEMM computes this product exactly as the Triton
-    kernel does: 128 x 128 weight blocks, dynamic activation scales, K and N multiples of 512."""
+    kernel does: 128 x 128 weight blocks, dynamic activation scales, N a multiple of 512 and K
+    of `k_align` (512; 128 where the weight's scales are laid out as cuBLAS reads them,
+    `fp8_moe.cublas_weight_scales`)."""
     return (
         block_size is not None
         and tuple(int(b) for b in block_size) == CUBLAS_BLOCK
         and activation_scale is None
-        and k % CUBLAS_ALIGN == 0
+        and k % k_align == 0
         and n % CUBLAS_ALIGN == 0
     )
 
@@ -680,14 +684,16 @@ def _cublas_works(device: torch.device) -> bool:
     return bool(torch.isfinite(got).all()) and float((got - ref).norm() / ref.norm()) < 1e-2
 
 
-def _use_cublas(x: Tensor, weight: Tensor, block_size, activation_scale, out_dtype) -> bool:
+def _use_cublas(
+    x: Tensor, weight: Tensor, block_size, activation_scale, out_dtype, k_align=CUBLAS_ALIGN
+) -> bool:
     n, k = weight.shape[-2:]
     return (
         x.is_cuda
         and not INTERPRET
         and out_dtype == torch.bfloat16  # the output dtype of cuBLAS's block-scaled recipe
         and weight.dim() == 2
-        and cublas_shape_ok(n, k, block_size, activation_scale)
+        and cublas_shape_ok(n, k, block_size, activation_scale, k_align)
         and _cublas_works(x.device)
     )
 

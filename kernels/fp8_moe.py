@@ -388,22 +388,16 @@ def _triton_products(
 
 def _use_cublas(rows: int, hidden: Tensor, gate_up: Tensor, down: Tensor, block) -> bool:
     """cuBLAS for both products: at least `CUBLAS_MIN_ROWS` rows per expert on average (fewer,
-    a short chunk or a decode step, stay on one Triton launch each, without a host read), bf16,
-    128 x 128 blocks, N a multiple of 512 and K of 128 (a K / 128 that is not a multiple of 4
-    takes `cublas_weight_scales`)."""
-    shapes_ok = all(
-        w.shape[1] % fp8_gemm.CUBLAS_ALIGN == 0 and w.shape[2] % CUBLAS_BLOCK[1] == 0
-        for w in (gate_up, down)
-    )
+    a short chunk or a decode step, stay on one Triton launch each, without a host read), and
+    each weight's product as `fp8_gemm._use_cublas` takes a 2-d one, with K a multiple of 128
+    (a K / 128 that is not a multiple of 4 takes `cublas_weight_scales`)."""
     return (
-        hidden.is_cuda
-        and not INTERPRET
-        and hidden.dtype == torch.bfloat16
-        and os.environ.get("RBS_BENCH_FP8_CUBLAS_GROUPED", "1") != "0"
+        os.environ.get("RBS_BENCH_FP8_CUBLAS_GROUPED", "1") != "0"
         and rows >= CUBLAS_MIN_ROWS * gate_up.shape[0]
-        and tuple(int(b) for b in block) == CUBLAS_BLOCK
-        and shapes_ok
-        and fp8_gemm._cublas_works(hidden.device)
+        and all(
+            fp8_gemm._use_cublas(hidden, w[0], block, None, hidden.dtype, CUBLAS_BLOCK[1])
+            for w in (gate_up, down)
+        )
     )
 
 
