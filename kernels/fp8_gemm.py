@@ -262,6 +262,22 @@ def _e4m3_rne(x):
 
 
 @jit
+def _dynamic_scales(x):
+    """The per-row scales of a [rows, group] fp32 tile: max |x| / 448, floored at 1e-10 / 448."""
+    return tl.maximum(tl.max(tl.abs(x), 1), 1e-10) / 448.0
+
+
+@jit
+def _to_e4m3(x, s, ROUND: tl.constexpr):
+    """A [rows, group] fp32 tile over its per-row scales s, clamped to +-448, as e4m3 (ROUND:
+    rounded to the e4m3 grid in fp32 first, for the interpreter; on a GPU the cast rounds)."""
+    y = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
+    if ROUND:
+        y = _e4m3_rne(y)
+    return y.to(tl.float8e4nv)
+
+
+@jit
 def _act_quant_kernel(
     X,
     XQ,
@@ -291,11 +307,9 @@ def _act_quant_kernel(
     if STATIC:
         s = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(ActScale)
     else:
-        s = tl.maximum(tl.max(tl.abs(x), 1), 1e-10) / 448.0
-    y = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
-    if ROUND:
-        y = _e4m3_rne(y)
-    tl.store(XQ + rows64[:, None] * stride_qm + cols[None, :] * stride_qk, y.to(tl.float8e4nv), ok)
+        s = _dynamic_scales(x)
+    y = _to_e4m3(x, s, ROUND)
+    tl.store(XQ + rows64[:, None] * stride_qm + cols[None, :] * stride_qk, y, ok)
     tl.store(XS + tl.program_id(1) * stride_sg + rows64 * stride_sm, s, mask=r_ok)
 
 
@@ -409,11 +423,8 @@ def _fp8_gemm_kernel(
         w_s = tl.load(bs_ptrs + (k0 // SCALE_BK) * stride_sk)  # scalar, or [BLOCK_N]
         if FUSED:
             af = a.to(tl.float32)
-            a_s = tl.maximum(tl.max(tl.abs(af), 1), 1e-10) / 448.0
-            af = tl.minimum(tl.maximum(af / a_s[:, None], -448.0), 448.0)
-            if ROUND:
-                af = _e4m3_rne(af)
-            a = af.to(tl.float8e4nv)
+            a_s = _dynamic_scales(af)
+            a = _to_e4m3(af, a_s, ROUND)
         else:
             a_s = tl.load(as_ptrs + kt * stride_sg)  # [BLOCK_M]
         if ONE_WS:

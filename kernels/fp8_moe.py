@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 
 from . import fp8_gemm
-from .fp8_gemm import CUBLAS_BLOCK, FP8_DTYPE, _e4m3_rne, fp8_grouped_linear_ref
+from .fp8_gemm import CUBLAS_BLOCK, FP8_DTYPE, _dynamic_scales, _to_e4m3, fp8_grouped_linear_ref
 from .moe_combine import _launch as _combine
 from .moe_combine import moe_combine_ref
 from .triton_util import INTERPRET, check_triton_launch, jit, tl, triton
@@ -171,14 +171,12 @@ def _quant_store(
     BLOCKED: tl.constexpr,
     ROUND: tl.constexpr,
 ):
-    """Quantise the [BLOCK_ROWS, GROUP] fp32 tile y (group pid 1) and store it and its scales."""
-    s = tl.maximum(tl.max(tl.abs(y), 1), 1e-10) / 448.0
-    q = tl.minimum(tl.maximum(y / s[:, None], -448.0), 448.0)
-    if ROUND:
-        q = _e4m3_rne(q)
+    """Quantise the [BLOCK_ROWS, GROUP] fp32 tile y (group pid 1) as `fp8_gemm`'s activation
+    pass does, and store it and its scales."""
+    s = _dynamic_scales(y)
     rows64 = rows.to(tl.int64)
     ok = r_ok[:, None] & c_ok[None, :]
-    tl.store(XQ + rows64[:, None] * stride_qm + cols[None, :], q.to(tl.float8e4nv), mask=ok)
+    tl.store(XQ + rows64[:, None] * stride_qm + cols[None, :], _to_e4m3(y, s, ROUND), mask=ok)
     g = tl.program_id(1)
     if BLOCKED:  # expert x's scales: [G, count_x] at G * first_x, row-count-major
         first = tl.load(First + rows, mask=r_ok, other=0).to(tl.int64)
