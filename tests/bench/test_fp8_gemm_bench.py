@@ -130,3 +130,16 @@ def test_the_experts_block_rows_and_the_layer_sum(small, tmp_path, capsys):
     assert set(df[df["layer"] == "experts"]["check"].dropna()) == {"PASS"}
     out = capsys.readouterr().out
     assert "a layer's products at 40 tokens (q, k, v, o, the experts block)" in out
+
+
+def test_the_experts_switch_gives_back_the_callers_setting(monkeypatch):
+    import os
+
+    monkeypatch.setenv("RBS_BENCH_FP8_CUBLAS_GROUPED", "0")
+    with bench.experts_on_cublas(True):
+        assert os.environ["RBS_BENCH_FP8_CUBLAS_GROUPED"] == "1"
+    assert os.environ["RBS_BENCH_FP8_CUBLAS_GROUPED"] == "0"
+    monkeypatch.delenv("RBS_BENCH_FP8_CUBLAS_GROUPED")
+    with bench.experts_on_cublas(False):
+        assert os.environ["RBS_BENCH_FP8_CUBLAS_GROUPED"] == "0"
+    assert "RBS_BENCH_FP8_CUBLAS_GROUPED" not in os.environ

@@ -38,8 +38,10 @@ The summary table is printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 import time
 import traceback
@@ -278,20 +280,31 @@ def experts_unfused(x, index, weights, gu, gu_s, dn, dn_s, grouped=None):
     return moe_combine(y, pos.view(n, k), weights)
 
 
+@contextlib.contextmanager
+def experts_on_cublas(on: bool):
+    """The experts' products on cuBLAS (where `fp8_moe` takes them) or on Triton, for the block;
+    the caller's own RBS_BENCH_FP8_CUBLAS_GROUPED comes back after it."""
+    name = "RBS_BENCH_FP8_CUBLAS_GROUPED"
+    before = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def check_experts(tokens, variant) -> dict:
     """The whole experts block (`fp8_moe_experts`, cuBLAS or Triton products) against
     `fp8_moe_experts_ref` in bf16 on 256 sampled tokens, per token: ||kernel - ref|| <=
     2 ||ref - ref in fp32|| + 0.05 ||ref in fp32 - exact|| (exact: fp64 without quantisation)."""
-    import os
-
     from rbs_bench.kernels.fp8_moe import fp8_moe_experts, fp8_moe_experts_ref
 
     x, index, weights, gu, gu_s, dn, dn_s = experts_inputs(tokens)
-    os.environ["RBS_BENCH_FP8_CUBLAS_GROUPED"] = "1" if variant == "cublas" else "0"
-    try:
+    with experts_on_cublas(variant == "cublas"):
         got = fp8_moe_experts(x, index, weights, gu, gu_s, dn, dn_s, BLOCK)
-    finally:
-        os.environ.pop("RBS_BENCH_FP8_CUBLAS_GROUPED")
     rows = sample_rows(tokens, seed=3)[:256]
     sub = (x[rows], index[rows], weights[rows])
     ref = fp8_moe_experts_ref(*sub, gu, gu_s, dn, dn_s, BLOCK).double()  # bf16, as the layer
@@ -315,19 +328,14 @@ def time_experts(tokens, rep_ms) -> dict:
     """The experts block of `tokens` tokens (a feed-forward chunk): `fp8_moe_experts` as the layer
     runs it, with Triton products, the unfused FP8 path, and bf16 grouped_mm the same way.
     TFLOP/s count both products."""
-    import os
-
     from rbs_bench.kernels.fp8_moe import fp8_moe_experts
 
     args = experts_inputs(tokens)
     ms = {}
     ms["fp8"] = do_bench(lambda: fp8_moe_experts(*args, BLOCK), rep_ms)
-    os.environ["RBS_BENCH_FP8_CUBLAS_GROUPED"] = "0"
-    try:
+    with experts_on_cublas(False):
         ms["fp8_triton"] = do_bench(lambda: fp8_moe_experts(*args, BLOCK), rep_ms)
         ms["fp8_unfused_triton"] = do_bench(lambda: experts_unfused(*args), rep_ms)
-    finally:
-        os.environ.pop("RBS_BENCH_FP8_CUBLAS_GROUPED")
     ms["fp8_unfused"] = do_bench(lambda: experts_unfused(*args), rep_ms)
     if grouped_mm() is not None:
         w = [
