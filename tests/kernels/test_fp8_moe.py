@@ -19,7 +19,7 @@ import pytest
 import torch
 from interpreter_suite import CUDA, DEVICE, kernel_test
 from rbs_bench.kernels import fp8_moe
-from rbs_bench.kernels.fp8_gemm import dequantize_weight_ref, fp8_linear_ref
+from rbs_bench.kernels.fp8_gemm import act_quant_ref, dequantize_weight_ref, fp8_linear_ref
 from rbs_bench.kernels.fp8_moe import (
     PAD_ROWS,
     expert_rows,
@@ -168,8 +168,6 @@ def test_kernel_quantisation_passes_equal_act_quant():
     x, index, *_ = moe(23, 3, 4, 256, 128, torch.float16, device=DEVICE)
     layout = expert_rows(index, 4)
     live = layout.src >= 0
-    from rbs_bench.kernels.fp8_gemm import act_quant_ref
-
     want_q, want_s = act_quant_ref(x[layout.src[live].long()], 128)
     for blocked in (False, True):
         xq, xs = fp8_moe.gather_quant(x, layout, blocked)

@@ -248,6 +248,8 @@ def test_compiled_layers_fuse_the_fp8_experts(fresh):
     here for a legitimate reason: with K = 128 a last-bit difference in one gate_up output (the
     products' summation order) moves one e4m3 value of the down input, about 1% of that row; a
     wrong expert, scale or row is an error of the quantisation's size (several percent)."""
+    from rbs_bench.kernels.fp8_moe import fp8_moe_experts_ref
+
     from rbs_bench.models import fastpath
 
     fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**fp8.entry_points("triton"))
@@ -260,18 +262,13 @@ def test_compiled_layers_fuse_the_fp8_experts(fresh):
         fused = fastpath._experts_forward(experts, x, idx, weights)
         own = experts(x, idx, weights)
         ref, exact = experts_truth(experts, x, idx, weights)
-        from rbs_bench.kernels.fp8_moe import fp8_moe_experts_ref
-
-        fused_ref = fp8_moe_experts_ref(
-            x, idx, weights, experts.gate_up_proj, experts.gate_up_proj_scale_inv,
+        weights_of = (
+            experts.gate_up_proj, experts.gate_up_proj_scale_inv,
             experts.down_proj, experts.down_proj_scale_inv,
         )  # fmt: skip
+        fused_ref = fp8_moe_experts_ref(x, idx, weights, *weights_of)
+        fused_ref32 = fp8_moe_experts_ref(x.float(), idx, weights, *weights_of)
     rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())  # noqa: E731
-    with torch.no_grad():
-        fused_ref32 = fp8_moe_experts_ref(
-            x.float(), idx, weights, experts.gate_up_proj, experts.gate_up_proj_scale_inv,
-            experts.down_proj, experts.down_proj_scale_inv,
-        )  # fmt: skip
     err, spread = rel(fused, fused_ref), rel(fused_ref, fused_ref32)
     print(
         f"fused against its bf16 reference {err:.4g}; that reference against fp32 {spread:.4g}; "
