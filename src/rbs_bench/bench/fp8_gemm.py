@@ -422,20 +422,17 @@ def print_table(rows: list[dict]) -> None:
 
 def layer_sums(times: list[dict]) -> list[str]:
     """Per token count with every layer timed: a decoder layer's products, q + k + v + o + the
-    experts block (gather, both products, gate, weighted sum), FP8 against bf16."""
-    lines = []
-    for t in sorted({r["tokens"] for r in times}):
-        at = {r["layer"]: r for r in times if r["tokens"] == t}
-        if not {"q", "k", "o", "experts"} <= set(at):
-            continue
-        parts = ("q", "k", "k", "o", "experts")  # v has k's shape
-        fp8 = sum(_first(at[p], "ms_fp8") for p in parts)
-        bf16 = sum(_first(at[p], "ms_bf16_cublas", "ms_bf16_grouped_mm") for p in parts)
-        lines.append(
-            f"a layer's products at {t} tokens (q, k, v, o, the experts block): "
-            f"FP8 {fp8:.2f} ms, bf16 {bf16:.2f} ms, {fp8 / bf16:.2f}x"
-        )
-    return lines
+    experts block (gather, both products, gate, weighted sum), FP8 against bf16
+    (`tables.blocks_kernels.fp8_layer_sums`, the sums the docs print)."""
+    import pandas as pd
+
+    from rbs_bench.tables.blocks_kernels import fp8_layer_sums
+
+    return [
+        f"a layer's products at {tokens} tokens (q, k, v, o, the experts block): "
+        f"FP8 {fp8:.2f} ms, bf16 {bf16:.2f} ms, {fp8 / bf16:.2f}x"
+        for tokens, fp8, bf16 in fp8_layer_sums(pd.DataFrame(times))
+    ]
 
 
 def _first(row: dict, *keys) -> float:

@@ -252,16 +252,10 @@ def fp8_gemm_h100(src: Sources) -> str:
     head = ["layer", "runs on", "FP8 ms (TFLOP/s)", "its quantisation", "cuBLAS product alone"]
     head += ["Triton product alone", "bf16 ms", "bf16 / FP8"]
     passed = int((checks["check"] == "PASS").sum())
-    sums = []
-    for tokens, at in every.groupby("tokens"):
-        by = at.set_index("layer")
-        if not {"q", "k", "o", "experts"} <= set(by.index):
-            continue
-        parts = ["q", "k", "k", "o", "experts"]  # v has k's shape
-        fp8 = sum(float(by.loc[p, "ms_fp8"]) for p in parts)
-        bf16 = sum(_bf16_ms(by.loc[p]) for p in parts)
-        sums.append(f"{int(tokens):,} tokens: FP8 {fp8:.1f} ms, bf16 {bf16:.1f} ms "
-                    f"({fp8 / bf16:.2f}x)")  # fmt: skip
+    sums = [
+        f"{tokens:,} tokens: FP8 {fp8:.1f} ms, bf16 {bf16:.1f} ms ({fp8 / bf16:.2f}x)"
+        for tokens, fp8, bf16 in fp8_layer_sums(every)
+    ]
     note = (
         "The experts row is the whole block as the compiled layers run it (the quantised gather, "
         "both products, the gate, the weighted sum) against bf16 `grouped_mm` with its gather, "
@@ -274,6 +268,21 @@ def fp8_gemm_h100(src: Sources) -> str:
 
 def _bf16_ms(r) -> float:
     """The bf16 time of a bench.fp8_gemm row: cuBLAS for a plain layer, grouped_mm for the
-    experts."""
+    experts (NaN where the run had no grouped_mm)."""
     cublas = r.get("ms_bf16_cublas")
-    return float(cublas) if pd.notna(cublas) else float(r["ms_bf16_grouped_mm"])
+    return float(cublas) if pd.notna(cublas) else float(r.get("ms_bf16_grouped_mm", "nan"))
+
+
+def fp8_layer_sums(times: pd.DataFrame) -> list[tuple[int, float, float]]:
+    """(tokens, FP8 ms, bf16 ms) of a decoder layer's products, q + k + v + o + the experts
+    block, for each token count of `bench.fp8_gemm`'s time rows with all of them timed."""
+    sums = []
+    for tokens, at in times.groupby("tokens"):
+        by = at.set_index("layer")
+        if not {"q", "k", "o", "experts"} <= set(by.index):
+            continue
+        parts = ["q", "k", "k", "o", "experts"]  # v has k's shape
+        fp8 = sum(float(by.loc[p, "ms_fp8"]) for p in parts)
+        bf16 = sum(_bf16_ms(by.loc[p]) for p in parts)
+        sums.append((int(tokens), fp8, bf16))
+    return sums
