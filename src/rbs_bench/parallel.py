@@ -14,7 +14,9 @@ RBS_BENCH_PARALLEL_FORK=0 to start each cell as a new Python instead.
 The cells with the most samples still to run start first. Each cell holds its own lock and skips
 the samples its records already hold (rbs_bench.runner), so a call resumes the last one, and a
 call that reaches `--time-budget-s` stops starting cells and gives the running ones the time left
-(`time_budget_s`, checked before each sample); the next call continues. Run records go to
+(`time_budget_s`, checked before each sample); the next call continues. On a machine of several
+GPUs each cell runs on one of them (CUDA_VISIBLE_DEVICES, the GPU with the fewest running cells;
+an existing CUDA_VISIBLE_DEVICES limits the choice to its entries). Run records go to
 `<results>/runs/<experiment>/<model>/...` as for any run; each process's output goes to
 `outputs/parallel/<experiment>/<cell>.log`. Each process gets an equal share of the CPU's cores as
 its thread count (OMP_NUM_THREADS, unless set).
@@ -176,14 +178,40 @@ def _complete(cell: Cell, done: int) -> bool:
 
 
 def _resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
     # NVML's device count, not the CUDA driver's: a process that initialised the driver cannot
     # fork a cell that uses CUDA
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    if device != "auto":
+        return device
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def visible_gpus(device: str) -> list[str]:
+    """The GPUs cells are spread over: CUDA_VISIBLE_DEVICES's entries where it is set, else the
+    indices NVML counts (`_resolve_device` makes the count NVML's, so CUDA stays uninitialised
+    here); none off CUDA or with one GPU (a cell then sees what this process sees)."""
+    if not device.startswith("cuda") or ":" in device:
+        return []
+    import torch
+
+    count = torch.cuda.device_count()
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [g.strip() for g in given.split(",") if g.strip()] if given is not None else None
+    ids = (ids if ids is not None else [str(i) for i in range(count)])[:count]
+    return ids if len(ids) > 1 else []
+
+
+def _pick_gpu(gpus: list[str], running: list) -> str | None:
+    """The GPU with the fewest running cells (the first of them on a tie)."""
+    if not gpus:
+        return None
+    load = {g: 0 for g in gpus}
+    for item in running:
+        if item[4] in load:
+            load[item[4]] += 1
+    return min(gpus, key=lambda g: load[g])
 
 
 class Forked:
@@ -297,18 +325,20 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
     pending = [c for c in todo if not _complete(c, c.done)]
     pending.sort(key=lambda c: c.done - c.samples)  # the most samples to run first
     total = sum(max(c.samples - c.done, 0) for c in pending)
+    gpus = visible_gpus(device) if pending else []
+    spread = f" (spread over {len(gpus)} GPUs: {','.join(gpus)})" if gpus else ""
     print(
         f"{len(todo)} cells, {len(pending)} to run ({total} samples) with {jobs} processes on "
-        f"{device}, {budget_s:g} s",
+        f"{device}{spread}, {budget_s:g} s",
         flush=True,
     )
     # the processes share the machine's cores: each gets its share of threads (unless set)
     threads = str(max(1, (os.cpu_count() or 1) // jobs))
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} | dict(os.environ)
-    running: list[tuple[Cell, subprocess.Popen, object, Path]] = []
+    running: list[tuple[Cell, subprocess.Popen, object, Path, str | None]] = []
     fork = bool(pending) and _forkable()
     try:
-        failed = _run_cells(pending, running, jobs, budget_s, start, env, fork)
+        failed = _run_cells(pending, running, jobs, budget_s, start, env, fork, gpus)
     except BaseException:  # SIGTERM / SIGINT (or a failure here): the cells end first
         _stop_cells(running, stopping() or signal.SIGTERM)
         raise
@@ -326,11 +356,11 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
 def _stop_cells(running: list, signum: int) -> None:
     """Forward the stop to every running cell and wait for each (kill what is left after
     STOP_WAIT_S), so no cell outlives this process or keeps its lock."""
-    for _, proc, _, _ in running:
+    for _, proc, _, _, _ in running:
         if proc.poll() is None:
             proc.send_signal(signum)
     deadline = time.monotonic() + STOP_WAIT_S
-    for _, proc, log, _ in running:
+    for _, proc, log, _, _ in running:
         try:
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
@@ -339,9 +369,10 @@ def _stop_cells(running: list, signum: int) -> None:
         log.close()
 
 
-def _run_cells(pending, running, jobs, budget_s, start, env, fork=False) -> list[str]:
-    """Start pending cells (`fork`: as children of this process, `Forked`) while there are free
-    jobs and time, until every cell has ended; the failed cells' lines."""
+def _run_cells(pending, running, jobs, budget_s, start, env, fork=False, gpus=()) -> list[str]:
+    """Start pending cells (`fork`: as children of this process, `Forked`; each on the least
+    loaded of `gpus` where given) while there are free jobs and time, until every cell has ended;
+    the failed cells' lines."""
     failed = []
     while pending or running:
         left = budget_s - (time.monotonic() - start)
@@ -351,17 +382,22 @@ def _run_cells(pending, running, jobs, budget_s, start, env, fork=False) -> list
             log_path.parent.mkdir(parents=True, exist_ok=True)
             log = open(log_path, "a")
             args = [*c.overrides, "progress=false", f"time_budget_s={int(left)}"]
+            gpu = _pick_gpu(list(gpus), running)
+            cell_env = env if gpu is None else env | {"CUDA_VISIBLE_DEVICES": gpu}
             with deferred():  # a stop waits until the new cell is on the list it stops
                 if fork:
-                    proc = Forked(args, log, env)
+                    proc = Forked(args, log, cell_env)
                 else:
                     args = [sys.executable, "-m", "rbs_bench", *args]
-                    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env)
-                running.append((c, proc, log, log_path))
-            print(f"start {c.experiment}/{c.name} ({c.done}/{c.samples} done)", flush=True)
+                    proc = subprocess.Popen(
+                        args, stdout=log, stderr=subprocess.STDOUT, env=cell_env
+                    )
+                running.append((c, proc, log, log_path, gpu))
+            on = f" on GPU {gpu}" if gpu is not None else ""
+            print(f"start {c.experiment}/{c.name} ({c.done}/{c.samples} done){on}", flush=True)
         time.sleep(1)
         for item in list(running):
-            c, proc, log, log_path = item
+            c, proc, log, log_path, _ = item
             if proc.poll() is None:
                 continue
             running.remove(item)

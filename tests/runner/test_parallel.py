@@ -62,3 +62,38 @@ def test_cells_are_forked_unless_turned_off(monkeypatch):
     assert parallel._forkable() == hasattr(os, "fork")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert not parallel._forkable()
+
+
+def test_cells_are_spread_over_the_visible_gpus(monkeypatch, tmp_path):
+    """Several GPUs: each cell gets one (the least loaded) through CUDA_VISIBLE_DEVICES, within
+    the entries of an existing CUDA_VISIBLE_DEVICES; one GPU, a fixed cuda:N or the CPU: none."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert parallel.visible_gpus("cuda") == ["0", "1", "2", "3"]
+    assert parallel.visible_gpus("cuda:1") == [] and parallel.visible_gpus("cpu") == []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert parallel.visible_gpus("cuda") == ["2", "3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert parallel.visible_gpus("cuda") == []
+
+    started = []
+
+    class Proc:
+        returncode = 0
+
+        def __init__(self, args, stdout, stderr, env):
+            started.append(env.get("CUDA_VISIBLE_DEVICES"))
+
+        def poll(self):
+            return 0  # ends at once: the next cells take the GPUs it frees
+
+    monkeypatch.setattr(parallel.subprocess, "Popen", Proc)
+    monkeypatch.setattr(parallel, "LOG_DIR", tmp_path)
+    monkeypatch.setattr(parallel.time, "sleep", lambda s: None)
+    todo = [parallel.Cell("e", [f"method=m{i}"], tmp_path / f"{i}.jsonl", 1) for i in range(5)]
+    parallel._run_cells(todo, [], 3, 1e6, parallel.time.monotonic(), {}, gpus=["0", "1"])
+    assert started == ["0", "1", "0", "0", "1"]  # the least loaded first; then the freed ones
