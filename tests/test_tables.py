@@ -619,8 +619,9 @@ def test_discrimination_note_names_dense_and_the_largest_drop(results):
     md = _build(results)["ruler_budget_tiny.md"]
     # dense 90 on both tasks; at 1% rbs and xattn score (0 + 60) / 2 = 30 on each task
     assert (
-        "Discrimination: dense scores 90.00% (n=4); at the lowest target, 1%, the largest drop "
-        "below it is RBS-Attention's, 60.0 points (30.00%), so the table can rank methods." in md
+        "Discrimination: dense scores 90.00% (n=4; niah_single_1 90.00%; vt 90.00%); at the "
+        "lowest target, 1%, the largest drop below it is RBS-Attention's, 60.0 points (30.00%), "
+        "so the table can rank methods." in md
     )
 
 

@@ -152,9 +152,13 @@ def discrimination_note(
         else f"less than {DISCRIMINATES:g}: no method falls clearly below dense here, so the "
         f"table cannot rank the methods at this setting{tried}"
     )
+    tasks = sorted(dense["task"].unique()) if "task" in dense else []
+    per_task = "".join(
+        f"; {t} {score(dense[dense['task'] == t]):.2f}%" for t in (tasks if len(tasks) > 1 else [])
+    )
     return [
-        f"Discrimination: dense scores {ref:.2f}% (n={len(dense)}); at {where}, the largest drop "
-        f"below it is {display(method)}'s, {drop:.1f} points ({worst:.2f}%), {verdict}."
+        f"Discrimination: dense scores {ref:.2f}% (n={len(dense)}{per_task}); at {where}, the "
+        f"largest drop below it is {display(method)}'s, {drop:.1f} points ({worst:.2f}%), {verdict}."
     ]
 
 
