@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .triton_util import autotune_space, kernel_arch
+from .triton_util import autotune, autotune_space, kernel_arch
 
 try:
     import triton
@@ -665,9 +665,7 @@ if HAS_TRITON:
         bm_max = min(block_q, 128)
         capped = dict.fromkeys((min(c[0], block_k), *c[1:7], min(c[7], bm_max)) for c in space)
         key = ["HEAD_DIM", "BLOCK_Q", "BLOCK_K", "GROUP", "VARLEN", "STORE_LSE", "len_bucket"]
-        return triton.autotune(configs=[_config(*c) for c in capped], key=key)(
-            _block_sparse_fwd_kernel
-        )
+        return autotune([_config(*c) for c in capped], key)(_block_sparse_fwd_kernel)
 
 
 def _len_bucket(n: int) -> int:

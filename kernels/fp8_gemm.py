@@ -59,6 +59,7 @@ from torch import Tensor
 
 from .triton_util import (
     INTERPRET,
+    autotune,
     autotune_space,
     check_triton_launch,
     jit,
@@ -487,7 +488,7 @@ if triton is not None:
             for bm, bn, w, s in space
         ]
         key = ["N", "K", "m_bucket", "GROUPED", "FUSED"]
-        return triton.autotune(configs=configs, key=key)(_fp8_gemm_kernel)
+        return autotune(configs, key)(_fp8_gemm_kernel)
 
 
 def fp8_act_quant(

@@ -98,6 +98,22 @@ def kernel_arch(device=None) -> int:
 
 
 AUTOTUNE_ENV = "RBS_BENCH_AUTOTUNE"
+AUTOTUNE_CACHE_ENV = "RBS_BENCH_AUTOTUNE_CACHE"
+
+
+def autotune(configs: list, key: list):
+    """`triton.autotune` that keeps its choices on disk (Triton's cache directory) where this
+    Triton can, so a new process (each cell of `rbs_bench.parallel`) reads the tuned configuration
+    of a kernel and key instead of timing every configuration again, while other GPU processes
+    disturb the timings. Triton keys the file on the kernel's source, the device's backend, the
+    key's values and the configurations. RBS_BENCH_AUTOTUNE_CACHE=0 times them in every process."""
+    import inspect
+
+    kwargs = {}
+    wanted = os.environ.get(AUTOTUNE_CACHE_ENV, "1").strip()
+    if wanted != "0" and "cache_results" in inspect.signature(triton.autotune).parameters:
+        kwargs["cache_results"] = True
+    return triton.autotune(configs=configs, key=key, **kwargs)
 
 
 def autotune_space(space: tuple) -> tuple:

@@ -176,8 +176,14 @@ def _run_locked(cfg, experiment, session, logger, selector, bench, settings, lab
             if store.done((sample.task, length, sample.index)):
                 continue
             if loaded.device.type == "cuda" and length not in warmed:
+                t_warm = time.perf_counter()
                 warm_up(loaded, sample, cfg.decode_graph)  # compile/autotune/capture untimed
                 warmed.add(length)
+                print(
+                    f"{label}: warmed up at {length} tokens in "
+                    f"{time.perf_counter() - t_warm:.1f} s, {since_start():.1f} s after the start",
+                    flush=True,
+                )
             rec = _run_sample(
                 cfg, experiment, selector, bench, loaded, recorder, eos, sample, length
             )

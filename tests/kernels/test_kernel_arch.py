@@ -79,6 +79,27 @@ def test_the_autotune_setting_times_the_whole_space_or_its_first_entry(monkeypat
     assert "\n" not in str(err.value)
 
 
+def test_the_autotuner_keeps_its_choices_on_disk_where_triton_can(monkeypatch):
+    """A new process reads the tuned configuration instead of timing the space again
+    (cache_results, where this Triton has it); RBS_BENCH_AUTOTUNE_CACHE=0 turns it off."""
+    calls = []
+
+    def with_cache(configs, key, cache_results=False):
+        calls.append(cache_results)
+
+    def without_cache(configs, key):
+        calls.append("no parameter")
+
+    monkeypatch.setattr(triton_util.triton, "autotune", with_cache)
+    triton_util.autotune([], ["N"])
+    monkeypatch.setenv(triton_util.AUTOTUNE_CACHE_ENV, "0")
+    triton_util.autotune([], ["N"])
+    monkeypatch.delenv(triton_util.AUTOTUNE_CACHE_ENV)
+    monkeypatch.setattr(triton_util.triton, "autotune", without_cache)
+    triton_util.autotune([], ["N"])
+    assert calls == [True, False, "no parameter"]
+
+
 def test_the_ampere_space_is_pointer_only_and_uncapped():
     """No TMA descriptors and no register caps (which spill on sm_80), and tiles within an
     A100's 164 KB of shared memory: (K + V tiles) x stages + the query tile, bf16, D = 128."""
