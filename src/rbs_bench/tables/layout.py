@@ -158,7 +158,8 @@ def discrimination_note(
     )
     return [
         f"Discrimination: dense scores {ref:.2f}% (n={len(dense)}{per_task}); at {where}, the "
-        f"largest drop below it is {display(method)}'s, {drop:.1f} points ({worst:.2f}%), {verdict}."
+        f"largest drop below it is {display(method)}'s, {drop:.1f} points ({worst:.2f}%), "
+        f"{verdict}."
     ]
 
 
