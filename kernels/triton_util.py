@@ -102,18 +102,120 @@ AUTOTUNE_CACHE_ENV = "RBS_BENCH_AUTOTUNE_CACHE"
 
 
 def autotune(configs: list, key: list):
-    """`triton.autotune` that keeps its choices on disk (Triton's cache directory) where this
-    Triton can, so a new process (each cell of `rbs_bench.parallel`) reads the tuned configuration
-    of a kernel and key instead of timing every configuration again, while other GPU processes
-    disturb the timings. Triton keys the file on the kernel's source, the device's backend, the
-    key's values and the configurations. RBS_BENCH_AUTOTUNE_CACHE=0 times them in every process."""
-    import inspect
+    """`triton.autotune` whose choices persist on disk (`ChoiceStore`), so that a new process
+    (each cell of `rbs_bench.parallel`) launches the configuration tuned before for the same
+    kernel, key and GPU, timed alone once, instead of timing every configuration again while the
+    other cells load the GPU. Triton's own `cache_results` cannot keep configurations with a
+    pre-hook (the TMA entries set their descriptors' block shapes in one).
+    RBS_BENCH_AUTOTUNE_CACHE=0 times the whole space in every process."""
+    store = ChoiceStore(configs, key)
+    if os.environ.get(AUTOTUNE_CACHE_ENV, "1").strip() == "0" or INTERPRET or len(configs) < 2:
+        return triton.autotune(configs=configs, key=key)
+    decorate = triton.autotune(
+        configs=configs, key=key, prune_configs_by={"early_config_prune": store.prune}
+    )
 
-    kwargs = {}
-    wanted = os.environ.get(AUTOTUNE_CACHE_ENV, "1").strip()
-    if wanted != "0" and "cache_results" in inspect.signature(triton.autotune).parameters:
-        kwargs["cache_results"] = True
-    return triton.autotune(configs=configs, key=key, **kwargs)
+    def wrap(fn):
+        tuner = decorate(fn)
+        store.attach(tuner)
+        return tuner
+
+    return wrap
+
+
+class ChoiceStore:
+    """The autotuner's best configuration per key, one small JSON file each under Triton's cache
+    directory (`rbs_bench_autotune/`), named by a digest of the Triton version, the kernel's
+    source key, the GPU's name, the key's values and the configurations. `prune` (the tuner's
+    early pruning, called only for a key this process has not tuned) narrows the space to the
+    stored choice; after a launch that tuned, `_run` stores the tuner's choice (written whole by
+    a rename, so concurrent processes never read half a file)."""
+
+    def __init__(self, configs: list, key: list):
+        self.configs, self.key = list(configs), list(key)
+        self.tuner = None
+        self.pending: tuple | None = None  # (the tuner's key, file) of a key being timed
+
+    def attach(self, tuner) -> None:
+        self.tuner = tuner
+        run = tuner.run
+
+        def _run(*args, **kwargs):
+            out = run(*args, **kwargs)
+            if self.pending is not None:
+                tuned, path = self.pending
+                self.pending = None
+                best = tuner.cache.get(tuned)
+                if best is not None and best in self.configs:
+                    _write_json(path, {"index": self.configs.index(best), "config": str(best)})
+            return out
+
+        tuner.run = _run
+
+    def _tuner_key(self, named_args: dict, kwargs: dict) -> tuple:
+        """The tuner's own cache key: the key arguments' values, then every tensor's dtype."""
+        args = {k: v for k, v in {**named_args, **kwargs}.items() if k in self.tuner.arg_names}
+        values = [args[k] for k in self.key if k in args]
+        return tuple(values + [str(v.dtype) for v in args.values() if hasattr(v, "dtype")])
+
+    def _path(self, tuned: tuple, named_args: dict):
+        import hashlib
+        from pathlib import Path
+
+        import torch
+
+        fn = self.tuner.fn
+        while not hasattr(fn, "cache_key") and hasattr(fn, "fn"):
+            fn = fn.fn
+        on = [v.device for v in named_args.values() if isinstance(v, torch.Tensor)]
+        gpu = torch.cuda.get_device_name(on[0]) if on and on[0].type == "cuda" else ""
+        parts = [triton.__version__, str(getattr(fn, "cache_key", fn)), gpu, str(tuned)]
+        digest = hashlib.sha256("|".join(parts + [str(c) for c in self.configs]).encode())
+        knobs = getattr(triton, "knobs", None)
+        root = knobs.cache.dir if knobs is not None else os.environ.get(
+            "TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        )
+        name = getattr(fn, "__name__", "kernel")[:80]
+        return Path(root) / "rbs_bench_autotune" / f"{name}-{digest.hexdigest()[:32]}.json"
+
+    def prune(self, configs: list, named_args: dict, **kwargs) -> list:
+        tuned = self._tuner_key(named_args, kwargs)
+        path = self._path(tuned, named_args)
+        stored = _read_json(path)
+        if stored is not None:
+            index = stored.get("index")
+            if isinstance(index, int) and 0 <= index < len(self.configs):
+                choice = self.configs[index]
+                if str(choice) == stored.get("config") and choice in configs:
+                    return [choice]
+        self.pending = (tuned, path)
+        return configs
+
+
+def _read_json(path) -> dict | None:
+    import json
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _write_json(path, data: dict) -> None:
+    """Write `data` whole (a temporary file renamed over the target); a failure to write (a
+    read-only cache) only loses the stored choice."""
+    import json
+    import tempfile
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            json.dump(data, f)
+        os.replace(f.name, path)
+    except OSError:
+        pass
 
 
 def autotune_space(space: tuple) -> tuple:

@@ -3,6 +3,8 @@ RBS_KERNEL_ARCH), checked without a GPU by standing in for torch's device querie
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from rbs_bench.kernels import block_sparse_attn as bsa
@@ -79,25 +81,46 @@ def test_the_autotune_setting_times_the_whole_space_or_its_first_entry(monkeypat
     assert "\n" not in str(err.value)
 
 
-def test_the_autotuner_keeps_its_choices_on_disk_where_triton_can(monkeypatch):
-    """A new process reads the tuned configuration instead of timing the space again
-    (cache_results, where this Triton has it); RBS_BENCH_AUTOTUNE_CACHE=0 turns it off."""
-    calls = []
+class _Tuner:
+    """The part of triton's Autotuner that ChoiceStore uses: arg_names, cache, fn, run; run
+    prunes a key it has not tuned and takes the last pruned entry as the fastest."""
 
-    def with_cache(configs, key, cache_results=False):
-        calls.append(cache_results)
+    arg_names = ["x", "N"]
 
-    def without_cache(configs, key):
-        calls.append("no parameter")
+    def __init__(self, configs, store):
+        self.configs, self.cache, self.timed = configs, {}, []
+        self.fn = SimpleNamespace(cache_key="source-digest", __name__="kernel")
+        self.store = store
+        store.attach(self)
 
-    monkeypatch.setattr(triton_util.triton, "autotune", with_cache)
-    triton_util.autotune([], ["N"])
-    monkeypatch.setenv(triton_util.AUTOTUNE_CACHE_ENV, "0")
-    triton_util.autotune([], ["N"])
-    monkeypatch.delenv(triton_util.AUTOTUNE_CACHE_ENV)
-    monkeypatch.setattr(triton_util.triton, "autotune", without_cache)
-    triton_util.autotune([], ["N"])
-    assert calls == [True, False, "no parameter"]
+    def run(self, *args, **kwargs):
+        nargs = dict(zip(self.arg_names, args))
+        key = (nargs["N"], str(nargs["x"].dtype))
+        if key not in self.cache:
+            pruned = self.store.prune(self.configs, nargs, **kwargs)
+            self.timed.append(len(pruned))
+            self.cache[key] = pruned[-1]
+
+
+def test_the_tuned_configuration_persists_for_the_next_process(monkeypatch, tmp_path):
+    """A new process (a new store and tuner) times only the stored choice of a key tuned before;
+    a new key, or a damaged file, times the whole space again."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    configs = [triton_util.triton.Config({"BLOCK": b}) for b in (16, 32, 64)]
+    x = torch.zeros(2, dtype=torch.float16)
+    first = _Tuner(configs, triton_util.ChoiceStore(configs, ["N"]))
+    first.run(x, 1024)
+    first.run(x, 1024)  # tuned in this process: not pruned again
+    (stored,) = (tmp_path / "rbs_bench_autotune").glob("kernel-*.json")
+    second = _Tuner(configs, triton_util.ChoiceStore(configs, ["N"]))
+    second.run(x, 1024)
+    second.run(x.double(), 1024)  # another dtype is another key
+    assert first.timed == [3] and second.timed == [1, 3]
+    assert second.cache[(1024, "torch.float16")] is configs[2]
+    stored.write_text("{not json")
+    third = _Tuner(configs, triton_util.ChoiceStore(configs, ["N"]))
+    third.run(x, 1024)
+    assert third.timed == [3]
 
 
 def test_the_ampere_space_is_pointer_only_and_uncapped():
