@@ -220,7 +220,8 @@ def pattern_mass(
     """fp32 [B, Hq] per token pattern (MInference): the dense softmax mass, summed over the query
     rows, on the pattern's (query, key) pairs. One chunked dense pass serves every pattern
     (`chunk` query rows at a time; by default as many as PATTERN_MASS_WORKSPACE allows, at most
-    512 on CUDA and 128 on a CPU).
+    4096 on CUDA, where a chunk is some twenty kernel launches whatever its rows, and 128 on a
+    CPU).
 
     kept = column mass of its columns + diagonal mass of its offsets - the pairs on both; only the
     overlap term reads single entries, at the union of the patterns' columns (O(N x columns)).
@@ -228,7 +229,7 @@ def pattern_mass(
     b, h, n, _ = q.shape
     if chunk is None:
         # on a CPU, 128 rows keep a chunk near the cache (half the time of 512 rows at 4K)
-        cap = 512 if q.is_cuda else 128
+        cap = 4096 if q.is_cuda else 128
         chunk = max(1, min(cap, PATTERN_MASS_WORKSPACE // (5 * 4 * b * h * n)))
     col_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over rows t of p_t(s), per key s
     diag_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over t of p_t(t - d), per offset d
