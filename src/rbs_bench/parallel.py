@@ -336,7 +336,14 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
     threads = str(max(1, (os.cpu_count() or 1) // jobs))
     env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} | dict(os.environ)
     running: list[tuple[Cell, subprocess.Popen, object, Path, str | None]] = []
+    composed = time.monotonic() - start
     fork = bool(pending) and _forkable()
+    if fork:
+        print(
+            f"cells composed in {composed:.1f} s; the harness imported for forking in "
+            f"{time.monotonic() - start - composed:.1f} s",
+            flush=True,
+        )
     try:
         failed = _run_cells(pending, running, jobs, budget_s, start, env, fork, gpus)
     except BaseException:  # SIGTERM / SIGINT (or a failure here): the cells end first
