@@ -3,7 +3,7 @@ results folder, and write one CSV row per method from the records the run wrote.
 
     python -m rbs_bench.bench.cells_timing --results /tmp/cells --label warm_cache \\
         --csv seven_cells_16k --calibration results/calibration -- \\
-        ruler_budget_16k=60 --jobs 7 -- budget=d10 device=cuda
+        ruler_budget_16k=60 --jobs 7 -- budget=d10 device=cuda 'benchmark.tasks=[niah_multikey_2]'
 
 Everything after the first `--` is `parallel`'s command line; its `--results` is this command's.
 The folder must hold no records of these cells (a timing of a resumed run would count only part
