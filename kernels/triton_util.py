@@ -102,14 +102,15 @@ AUTOTUNE_CACHE_ENV = "RBS_BENCH_AUTOTUNE_CACHE"
 
 
 def autotune(configs: list, key: list):
-    """`triton.autotune` whose choices persist on disk (`ChoiceStore`), so that a new process
-    (each cell of `rbs_bench.parallel`) launches the configuration tuned before for the same
-    kernel, key and GPU, timed alone once, instead of timing every configuration again while the
-    other cells load the GPU. Triton's own `cache_results` cannot keep configurations with a
-    pre-hook (the TMA entries set their descriptors' block shapes in one).
-    RBS_BENCH_AUTOTUNE_CACHE=0 times the whole space in every process."""
+    """`triton.autotune`, whose choices persist on disk (`ChoiceStore`) where
+    RBS_BENCH_AUTOTUNE_CACHE=1 (when the tuned kernel is first launched): a new process then
+    launches the configuration tuned before for the same kernel, key and GPU instead of timing
+    every configuration again. `rbs_bench.parallel` sets it for its cells, which would otherwise
+    each time the space while the other cells load the GPU; the speed benches leave it unset, so
+    each tunes in its own process on the GPU it times. Triton's own `cache_results` cannot keep
+    configurations with a pre-hook (the TMA entries set their descriptors' block shapes in one)."""
     store = ChoiceStore(configs, key)
-    if os.environ.get(AUTOTUNE_CACHE_ENV, "1").strip() == "0" or INTERPRET or len(configs) < 2:
+    if os.environ.get(AUTOTUNE_CACHE_ENV, "0").strip() != "1" or INTERPRET or len(configs) < 2:
         return triton.autotune(configs=configs, key=key)
     decorate = triton.autotune(
         configs=configs, key=key, prune_configs_by={"early_config_prune": store.prune}

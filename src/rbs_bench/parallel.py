@@ -51,6 +51,7 @@ from pathlib import Path
 from rbs_bench.checks import check_run_settings
 from rbs_bench.config import UserError, compose_cell, reference_cells
 from rbs_bench.errors import deferred, one_line, stop_on_signals, stopping
+from rbs_bench.kernels.triton_util import AUTOTUNE_CACHE_ENV
 from rbs_bench.paths import read_file
 from rbs_bench.records import read_cell
 from rbs_bench.slurm import _parse, grid
@@ -332,9 +333,7 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
         f"{device}{spread}, {budget_s:g} s",
         flush=True,
     )
-    # the processes share the machine's cores: each gets its share of threads (unless set)
-    threads = str(max(1, (os.cpu_count() or 1) // jobs))
-    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads} | dict(os.environ)
+    env = cell_env(jobs)
     running: list[tuple[Cell, subprocess.Popen, object, Path, str | None]] = []
     composed = time.monotonic() - start
     fork = bool(pending) and _forkable()
@@ -358,6 +357,16 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
     else:
         print(f"{done_s:.0f} s: every cell complete")
     return 1 if failed else 0
+
+
+def cell_env(jobs: int) -> dict:
+    """The cells' environment: this one's, over two defaults. The processes share the machine's
+    cores, so each gets its share of threads; an autotuned kernel keeps its choices on disk, so a
+    cell reads what an earlier one timed (kernels.triton_util.autotune) instead of timing the
+    space under the other cells' load."""
+    threads = str(max(1, (os.cpu_count() or 1) // jobs))
+    env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, AUTOTUNE_CACHE_ENV: "1"}
+    return env | dict(os.environ)
 
 
 def _stop_cells(running: list, signum: int) -> None:

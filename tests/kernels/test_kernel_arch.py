@@ -123,6 +123,22 @@ def test_the_tuned_configuration_persists_for_the_next_process(monkeypatch, tmp_
     assert third.timed == [3]
 
 
+def test_tuning_choices_are_kept_only_where_asked(monkeypatch):
+    """RBS_BENCH_AUTOTUNE_CACHE=1 (parallel's cells) prunes through a ChoiceStore; unset (the
+    speed benches) the tuner times its space in each process."""
+    seen = []
+    monkeypatch.setattr(
+        triton_util.triton, "autotune", lambda **kw: seen.append(kw) or (lambda fn: fn)
+    )
+    monkeypatch.setattr(triton_util, "INTERPRET", False)
+    configs = [triton_util.triton.Config({"BLOCK": b}) for b in (16, 32)]
+    monkeypatch.delenv(triton_util.AUTOTUNE_CACHE_ENV, raising=False)
+    triton_util.autotune(configs, ["N"])
+    monkeypatch.setenv(triton_util.AUTOTUNE_CACHE_ENV, "1")
+    triton_util.autotune(configs, ["N"])
+    assert "prune_configs_by" not in seen[0] and "prune_configs_by" in seen[1]
+
+
 def test_the_ampere_space_is_pointer_only_and_uncapped():
     """No TMA descriptors and no register caps (which spill on sm_80), and tiles within an
     A100's 164 KB of shared memory: (K + V tiles) x stages + the query tile, bf16, D = 128."""

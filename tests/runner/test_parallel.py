@@ -97,3 +97,15 @@ def test_cells_are_spread_over_the_visible_gpus(monkeypatch, tmp_path):
     todo = [parallel.Cell("e", [f"method=m{i}"], tmp_path / f"{i}.jsonl", 1) for i in range(5)]
     parallel._run_cells(todo, [], 3, 1e6, parallel.time.monotonic(), {}, gpus=["0", "1"])
     assert started == ["0", "1", "0", "0", "1"]  # the least loaded first; then the freed ones
+
+
+def test_cells_keep_tuned_choices_and_share_the_cores(monkeypatch):
+    """Cells read the kernels' stored tuning choices and split the cores, unless the caller's
+    environment says otherwise."""
+    monkeypatch.delenv("RBS_BENCH_AUTOTUNE_CACHE", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(parallel.os, "cpu_count", lambda: 16)
+    env = parallel.cell_env(4)
+    assert env["RBS_BENCH_AUTOTUNE_CACHE"] == "1" and env["OMP_NUM_THREADS"] == "4"
+    monkeypatch.setenv("RBS_BENCH_AUTOTUNE_CACHE", "0")
+    assert parallel.cell_env(4)["RBS_BENCH_AUTOTUNE_CACHE"] == "0"
