@@ -117,11 +117,12 @@ accuracy-gpu: install
 	$(PY) -m rbs_bench.parallel $(ACCURACY_GPU) --jobs $(JOBS) --time-budget-s $(TIME_BUDGET_S) \
 		--results $(RESULTS) --replace-other-device -- device=cuda $(EXP_ARGS)
 
-# The long settings of the accuracy experiments on a GPU (the cells spread over every GPU of the
-# machine; raise JOBS_16K with their number): the embedded model at its trained 16K
-# length in bf16, at the paper's densities, n=200 per reported accuracy (conf/experiment/*_16k.yaml;
-# docs/experiments.md). Calibrates first (kept calibrations make it a no-op), then runs every cell
-# resumably within TIME_BUDGET_S; rerun until it prints "every cell complete", then `make tables`.
+# The long settings of the accuracy experiments on a GPU: the embedded model at its trained 16K
+# length in bf16, at the paper's densities, at least 200 samples per reported accuracy
+# (conf/experiment/*_16k.yaml; docs/experiments.md). Calibrates first (kept calibrations make it a
+# no-op), then runs every cell resumably within TIME_BUDGET_S, spread over the machine's GPUs
+# (raise JOBS_16K with their number); rerun until it prints "every cell complete", then
+# `make tables`.
 LONG_16K ?= ruler_budget_16k strict_density_16k selector_ablation_16k block_size_16k thresholds_16k
 JOBS_16K ?= 12
 accuracy-16k: install
