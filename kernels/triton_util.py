@@ -5,6 +5,7 @@ one-line launch check, and the architecture whose tuned configurations a launch 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -109,9 +110,9 @@ def autotune(configs: list, key: list):
     each time the space while the other cells load the GPU; the speed benches leave it unset, so
     each tunes in its own process on the GPU it times. Triton's own `cache_results` cannot keep
     configurations with a pre-hook (the TMA entries set their descriptors' block shapes in one)."""
-    store = ChoiceStore(configs, key)
     if os.environ.get(AUTOTUNE_CACHE_ENV, "0").strip() != "1" or INTERPRET or len(configs) < 2:
         return triton.autotune(configs=configs, key=key)
+    store = ChoiceStore(configs, key)
     decorate = triton.autotune(
         configs=configs, key=key, prune_configs_by={"early_config_prune": store.prune}
     )
@@ -206,17 +207,21 @@ def _read_json(path) -> dict | None:
 
 def _write_json(path, data: dict) -> None:
     """Write `data` whole (a temporary file renamed over the target); a failure to write (a
-    read-only cache) only loses the stored choice."""
+    read-only cache, a full disk) only loses the stored choice, and leaves no temporary file."""
     import json
     import tempfile
 
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as f:
+            tmp = f.name
             json.dump(data, f)
-        os.replace(f.name, path)
+        os.replace(tmp, path)
     except OSError:
-        pass
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
 def autotune_space(space: tuple) -> tuple:

@@ -147,3 +147,10 @@ def test_the_ampere_space_is_pointer_only_and_uncapped():
         assert not tma and maxnreg is None and order in (0, 1, 2)
         assert (2 * bn * 128 * 2) * stages + bm * 128 * 2 <= 164 * 1024
     assert any(c[5] for c in bsa.HOPPER_SPACE)  # TMA only in the Hopper space
+
+
+def test_a_choice_that_cannot_be_stored_leaves_no_temporary_file(tmp_path):
+    target = tmp_path / "choice.json"
+    target.mkdir()  # a folder in the way: the rename fails
+    triton_util._write_json(target, {"index": 0})
+    assert [p.name for p in tmp_path.iterdir()] == ["choice.json"]
