@@ -339,8 +339,8 @@ def run(specs: list[str], jobs: int, budget_s: float, common: list[str], replace
     fork = bool(pending) and _forkable()
     if fork:
         print(
-            f"cells composed in {composed:.1f} s; the harness imported for forking in "
-            f"{time.monotonic() - start - composed:.1f} s",
+            f"cells composed and their records read in {composed:.1f} s; the harness imported "
+            f"for forking in {time.monotonic() - start - composed:.1f} s",
             flush=True,
         )
     try:
@@ -399,14 +399,14 @@ def _run_cells(pending, running, jobs, budget_s, start, env, fork=False, gpus=()
             log = open(log_path, "a")
             args = [*c.overrides, "progress=false", f"time_budget_s={int(left)}"]
             gpu = _pick_gpu(list(gpus), running)
-            cell_env = env if gpu is None else env | {"CUDA_VISIBLE_DEVICES": gpu}
+            child_env = env if gpu is None else env | {"CUDA_VISIBLE_DEVICES": gpu}
             with deferred():  # a stop waits until the new cell is on the list it stops
                 if fork:
-                    proc = Forked(args, log, cell_env)
+                    proc = Forked(args, log, child_env)
                 else:
                     args = [sys.executable, "-m", "rbs_bench", *args]
                     proc = subprocess.Popen(
-                        args, stdout=log, stderr=subprocess.STDOUT, env=cell_env
+                        args, stdout=log, stderr=subprocess.STDOUT, env=child_env
                     )
                 running.append((c, proc, log, log_path, gpu))
             on = f" on GPU {gpu}" if gpu is not None else ""
