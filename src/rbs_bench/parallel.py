@@ -59,6 +59,7 @@ from rbs_bench.slurm import _parse, grid
 LOG_DIR = Path("outputs/parallel")
 MARGIN_S = 30  # a cell started with less time than this left would only load the model
 STOP_WAIT_S = 60  # how long a stop waits for the cells to end before it kills them
+POLL_S = 0.2  # how often ended cells are looked for: a whole second was a second of every run
 FORK_ENV = "RBS_BENCH_PARALLEL_FORK"
 LOG_NAME_BYTES = 120  # a longer log name is cut and given a digest of the whole
 
@@ -411,7 +412,7 @@ def _run_cells(pending, running, jobs, budget_s, start, env, fork=False, gpus=()
                 running.append((c, proc, log, log_path, gpu))
             on = f" on GPU {gpu}" if gpu is not None else ""
             print(f"start {c.experiment}/{c.name} ({c.done}/{c.samples} done){on}", flush=True)
-        time.sleep(1)
+        time.sleep(POLL_S)
         for item in list(running):
             c, proc, log, log_path, _ = item
             if proc.poll() is None:

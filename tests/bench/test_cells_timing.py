@@ -54,3 +54,25 @@ def test_a_folder_with_records_or_no_command_is_refused(tmp_path):
         cells_timing.main(args)
     with pytest.raises(UserError, match="command line after --"):
         cells_timing.main(args[:-2])
+
+
+def test_startup_and_bytecode_columns_and_an_older_csv_gets_them(monkeypatch, tmp_path):
+    line = "cells composed and their records read in 1.9 s; the harness imported for forking in "
+    line += "4.3 s"
+    assert cells_timing.startup(f"7 cells\n{line}\n28 s: every cell complete") == (1.9, 4.3)
+    assert cells_timing.startup("7 cells\n28 s: every cell complete") == (None, None)
+    recs = {"dense": [_rec("dense", 100.0, "2026-11-28T01:00:17")]}
+    monkeypatch.setattr(cells_timing, "_records", lambda results: recs)
+    t0 = cells_timing._stamp({"time": "2026-11-28T01:00:00"})
+    rows = cells_timing.rows("warm", 7, 30.0, 28.0, tmp_path, t0, (1.9, 4.3))
+    row = dict(zip(cells_timing.COLUMNS, rows[0]))
+    assert (row["compose_s"], row["import_s"]) == (1.9, 4.3)
+    assert row["bytecode"] in ("kept", "not written")
+    out = tmp_path / "seven.csv"
+    old = cells_timing.COLUMNS[: cells_timing.COLUMNS.index("compose_s")]
+    out.write_text(",".join(old) + "\n" + ",".join(["old"] + ["1"] * (len(old) - 1)) + "\n")
+    cells_timing.append(out, rows)
+    lines = out.read_text().splitlines()
+    assert lines[0] == ",".join(cells_timing.COLUMNS) and len(lines) == 3
+    assert lines[1].startswith("old,") and lines[1].endswith(",,,")
+    assert lines[2].startswith("warm,") and lines[2].endswith(f",1.9,4.3,{row['bytecode']}")

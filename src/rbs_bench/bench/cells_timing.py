@@ -11,13 +11,18 @@ of them); `--calibration DIR` copies calibrations into it first. Rows are append
 OUT/<csv>_<gpu>.csv: the run's label, the wall time of the whole command (process start-up
 included), `parallel`'s own time, and per method n, accuracy, density and the medians of a
 sample's first token, decoding and recall pass, the dtype, how its tokens were decoded, and the
-seconds from the start to its first and its last record.
+seconds from the start to its first and its last record; then `parallel`'s start-up as it reports
+it (composing the cells, importing the harness before the first fork) and whether Python could keep
+the bytecode it compiles (`bytecode`: kept, or not written where PYTHONDONTWRITEBYTECODE is set: an
+image without bytecode then compiles torch's and transformers' sources in every process). A CSV
+with fewer columns gets them, empty on its older rows.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import os
 import re
 import shutil
 import subprocess
@@ -35,7 +40,13 @@ COLUMNS = [
     "run", "gpu", "processes", "cells", "samples", "wall_s", "parallel_s", "method", "n",
     "accuracy", "density", "ttft_s_median", "decode_s_median", "recall_s_median",
     "new_tokens_median", "dtype", "compiled", "decode", "first_record_s", "last_record_s",
+    "compose_s", "import_s", "bytecode",
 ]  # fmt: skip
+# parallel's start-up line (`parallel.run`)
+STARTUP = re.compile(
+    r"cells composed and their records read in (\d+(?:\.\d+)?) s; the harness imported for "
+    r"forking in (\d+(?:\.\d+)?) s"
+)
 
 
 def _cell_files(results: Path) -> list[Path]:
@@ -58,12 +69,26 @@ def _stamp(rec: dict) -> float:
     return time.mktime(time.strptime(rec["time"], "%Y-%m-%dT%H:%M:%S"))
 
 
+def startup(stdout: str) -> tuple[float | None, float | None]:
+    """(composing s, importing s) from parallel's output; None where it forked no cell."""
+    found = STARTUP.search(stdout)
+    return (float(found.group(1)), float(found.group(2))) if found else (None, None)
+
+
 def rows(
-    label: str, jobs: int, wall: float, parallel_s: float | None, results: Path, t0: float
+    label: str,
+    jobs: int,
+    wall: float,
+    parallel_s: float | None,
+    results: Path,
+    t0: float,
+    started: tuple = (None, None),
 ) -> list:
     """The CSV rows of one timed run, from its records; `t0`: the run's start (time.time()), from
     which each method's first and last records are timed (to the second): the first is the cell's
-    start-up and its first sample, the span between them its sampling."""
+    start-up and its first sample, the span between them its sampling. `started`: parallel's
+    (composing, importing) seconds."""
+    bytecode = "not written" if sys.flags.dont_write_bytecode else "kept"
     by_method = _records(results)
     samples = sum(len(r) for r in by_method.values())
     cells = len({(r["budget"], m) for m, recs in by_method.items() for r in recs})
@@ -81,7 +106,8 @@ def rows(
             round(sum(r["density"] for r in recs) / len(recs), 5), med("ttft_s"), med("decode_s"),
             med("recall_s"), med("new_tokens"), "/".join(sorted(map(str, dtypes))),
             any(r.get("compiled") for r in recs), "/".join(sorted(decode)),
-            round(min(map(_stamp, recs)) - t0), round(max(map(_stamp, recs)) - t0),
+            round(min(map(_stamp, recs)) - t0), round(max(map(_stamp, recs)) - t0), *started,
+            bytecode,
         ])  # fmt: skip
     return out
 
@@ -119,19 +145,35 @@ def main(argv: list[str] | None = None) -> int:
         return proc.returncode
     found = re.search(r"(\d+(?:\.\d+)?) s: every cell complete", proc.stdout)
     parallel_s = float(found.group(1)) if found else None
-    table = rows(args.label, jobs, wall, parallel_s, results, started)
+    table = rows(args.label, jobs, wall, parallel_s, results, started, startup(proc.stdout))
     if not table:
         raise UserError(f"the run wrote no records under {results}/runs")
     out = Path(args.out) / f"{args.csv}_{gpu_slug(table[0][1])}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    new = not out.exists()
-    with open(out, "a", newline="") as f:
-        w = csv.writer(f)
-        if new:
-            w.writerow(COLUMNS)
-        w.writerows(table)
+    append(out, table)
     print(f"{args.label}: {table[0][4]} samples in {wall:.1f} s -> {out}")
     return 0
+
+
+def append(out: Path, table: list) -> None:
+    """Append rows to the CSV, first giving an older file (fewer columns) today's, empty on its
+    rows, so that every row lines up with the header."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    old: list[dict] = []
+    rewrite = not out.exists()
+    if not rewrite:
+        with open(out, newline="") as f:
+            reader = csv.DictReader(f)
+            rewrite = reader.fieldnames != COLUMNS
+            old = list(reader) if rewrite else []
+    if rewrite:
+        tmp = out.with_suffix(".csv.tmp")
+        with open(tmp, "w", newline="") as f:
+            w = csv.DictWriter(f, COLUMNS)
+            w.writeheader()
+            w.writerows({k: row.get(k, "") for k in COLUMNS} for row in old)
+        os.replace(tmp, out)
+    with open(out, "a", newline="") as f:
+        csv.writer(f).writerows(table)
 
 
 def _with_results(command: list[str], results: Path) -> list[str]:

@@ -281,12 +281,31 @@ def forced_share_4k(src: Sources) -> str:
     return md_table(head, rows) + "\n" + sources_line(src, [conf]) + "\n"
 
 
+def _span(g: pd.DataFrame, col: str) -> str:
+    """min-max of a column in seconds, or – where the run predates it."""
+    vals = g[col] if col in g else pd.Series(dtype=float)
+    return f"{vals.min():.0f}-{vals.max():.0f} s" if vals.notna().any() else "–"
+
+
+def _first(g: pd.DataFrame, col: str) -> str:
+    vals = g[col].dropna() if col in g else pd.Series(dtype=object)
+    return str(vals.iloc[0]) if len(vals) else "–"
+
+
+def _startup(g: pd.DataFrame) -> str:
+    if "import_s" not in g or g["import_s"].isna().all():
+        return "–"
+    return f"{g['compose_s'].iloc[0]:.1f} + {g['import_s'].iloc[0]:.1f} s"
+
+
 @block("seven_cells_16k")
 def seven_cells_16k(src: Sources) -> str:
     """The seven 16K cells at d10 (dense and six methods, 60 samples each) timed on one GPU
     (`bench.cells_timing`): per run the wall time, the samples a second, the medians of a sample's
-    first token and decoding, how it decoded, and when the cells' first records came (start-up;
-    runs before that column existed show –) (results/speed/seven_cells_16k_<gpu>.csv)."""
+    first token and decoding, how it decoded, when the cells' first and last records came (their
+    start-up, then their sampling), parallel's own start-up (composing the cells + importing the
+    harness) and whether Python kept its bytecode; runs before a column existed show –
+    (results/speed/seven_cells_16k_<gpu>.csv)."""
     files = sorted(paths.speed_dir(src.results).glob("seven_cells_16k_*.csv"))
     rows = []
     for path in files:
@@ -295,18 +314,16 @@ def seven_cells_16k(src: Sources) -> str:
             wall = float(g["wall_s"].iloc[0])
             samples = int(g["samples"].iloc[0])
             tokens = g["new_tokens_median"].median()
-            first = g["first_record_s"] if "first_record_s" in g else pd.Series(dtype=float)
-            started = (
-                f"{first.min():.0f}-{first.max():.0f} s" if first.notna().any() else "–"
-            )
             decoded = ", ".join(sorted(set(g["decode"].dropna()))) if "decode" in g else "–"
             rows.append([
                 str(g["gpu"].iloc[0]), run.replace("_", " "), str(int(g["processes"].iloc[0])),
                 f"{samples}", f"{wall:.1f} s", f"{samples / wall:.1f}",
                 f"{1000 * g['ttft_s_median'].median():.0f} ms",
                 f"{1000 * g['decode_s_median'].median():.0f} ms ({tokens:.0f} tokens)",
-                decoded.replace("_", " "), started,
+                decoded.replace("_", " "), _span(g, "first_record_s"), _span(g, "last_record_s"),
+                _startup(g), _first(g, "bytecode"),
             ])  # fmt: skip
     head = ["GPU", "run", "processes", "samples", "wall", "samples/s", "first token (median)"]
-    head += ["decoding (median)", "decoded", "cells' first records"]
+    head += ["decoding (median)", "decoded", "cells' first records", "cells' last records"]
+    head += ["start-up: compose + import", "bytecode"]
     return md_table(head, rows, keys=2) + "\n" + sources_line(src, files) + "\n"
