@@ -696,3 +696,19 @@ def test_rows_that_are_not_methods_show_the_reference_as_a_line():
     assert [row[0].ours[0] for row in table.rows] == ["Default", "Aggressive"]
     assert table.lead == ["Dense (n=4): density 100.00%, accuracy 75.00 [30.1, 95.4]."]
     assert [row[-1].ours[0] for row in table.rows] == ["50.00", "50.00"]  # dense not mixed in
+
+
+def test_a_ttft_note_names_each_process_whose_rows_it_shows():
+    import pandas as pd
+
+    from rbs_bench.tables.blocks_speed import _runs
+
+    one = pd.DataFrame(
+        {"run": ["2026-11-28T03:19:40"] * 2, "method": ["dense", "rbs"], "gemm_ms_per_layer": 22.9}
+    )
+    assert _runs(one) == "run 2026-11-28. One layer's GEMMs alone: 22.9 ms."
+    two = pd.concat([one, one.assign(run="2026-11-28T07:26:32", method="flashprefill")])
+    two = two.reset_index(drop=True).assign(gemm_ms_per_layer=[22.9, 22.9, 25.6, 25.6])
+    note = _runs(two)
+    assert note.startswith("measured in 2 processes: 2026-11-28 03:19 (dense, RBS-Attention;")
+    assert "2026-11-28 07:26 (FlashPrefill; one layer's GEMMs alone: 25.6 ms)" in note

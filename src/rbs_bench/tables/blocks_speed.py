@@ -344,16 +344,33 @@ MAIN_ROWS = [
 
 def _ttft_block(src, gpu, model, layers, compiled, chunk, wanted, what: str) -> str:
     sub, path = ttft_rows(src, gpu, model, layers, compiled, chunk)
-    gemm = sub["gemm_ms_per_layer"].dropna() if "gemm_ms_per_layer" in sub else []
-    runs = ", ".join(sorted({str(r)[:10] for r in sub["run"]}))
     setting = (
         f"{what}: {model}, {layers} layers, {sub['dtype'].iloc[0]}, 128K tokens, "
         f"{'compiled' if compiled else 'eager'} layers, {_chunk(chunk)}; each method calibrated to "
-        f"{TARGET:.0%} measured density on the prompt; run {runs}."
+        f"{TARGET:.0%} measured density on the prompt; {_runs(sub)}"
     )
-    if len(gemm):
-        setting += f" One layer's GEMMs alone: {gemm.iloc[0]:.1f} ms."
     return _method_table(sub, wanted) + "\n" + setting + " " + sources_line(src, [path]) + "\n"
+
+
+def _runs(sub: pd.DataFrame) -> str:
+    """When the rows were measured, with one layer's GEMMs alone in that process. Rows of
+    several processes (a rerun that added methods) name each process's methods: their speedups
+    are against the dense row of another process, and its GEMMs say how alike the two GPUs ran."""
+    gemm = sub["gemm_ms_per_layer"] if "gemm_ms_per_layer" in sub else pd.Series(dtype=float)
+    runs = []
+    for run, grp in sub.groupby("run", sort=True):
+        g = gemm.loc[grp.index].dropna()
+        alone = f"one layer's GEMMs alone: {g.iloc[0]:.1f} ms" if len(g) else ""
+        runs.append((str(run), grp, alone))
+    if len(runs) == 1:
+        run, _, alone = runs[0]
+        return f"run {run[:10]}." + (f" {alone[0].upper()}{alone[1:]}." if alone else "")
+    parts = []
+    for run, grp, alone in runs:
+        shown = grp["method"].drop_duplicates()
+        names = ", ".join(DENSE if m == DENSE else methods.display(m) for m in shown)
+        parts.append(f"{run.replace('T', ' ')[:16]} ({names}{'; ' + alone if alone else ''})")
+    return "measured in " + str(len(runs)) + " processes: " + "; ".join(parts) + "."
 
 
 @block("ttft_h200_48l")
