@@ -68,6 +68,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from rbs_bench.kernels.block_mass import causal_softmax_chunks
+from rbs_bench.kernels.pattern_mass import pattern_kept_mass
 from rbs_bench.kernels.triton_util import triton_available
 from rbs_bench.kernels.vertical_slash_attn import (
     attention_supported,
@@ -215,18 +216,30 @@ PATTERN_MASS_WORKSPACE = 4 * 2**30
 
 
 def pattern_mass(
-    q: Tensor, k: Tensor, scale: float | None, patterns: list, chunk: int | None = None
+    q: Tensor,
+    k: Tensor,
+    scale: float | None,
+    patterns: list,
+    chunk: int | None = None,
+    triton_path: bool | None = None,
 ) -> list[Tensor]:
     """fp32 [B, Hq] per token pattern (MInference): the dense softmax mass, summed over the query
-    rows, on the pattern's (query, key) pairs. One chunked dense pass serves every pattern
+    rows, on the pattern's (query, key) pairs. `triton_path` (by default on CUDA where Triton is
+    installed): the fused kernel, kernels/pattern_mass.py, two causal QK^T passes per pattern with
+    nothing of size N x N stored. Otherwise one chunked dense pass in PyTorch serves every pattern
     (`chunk` query rows at a time; by default as many as PATTERN_MASS_WORKSPACE allows, at most
     4096 on CUDA, where a chunk is some twenty kernel launches whatever its rows, and 128 on a
-    CPU).
-
-    kept = column mass of its columns + diagonal mass of its offsets - the pairs on both; only the
-    overlap term reads single entries, at the union of the patterns' columns (O(N x columns)).
+    CPU): kept = column mass of its columns + diagonal mass of its offsets - the pairs on both;
+    only the overlap term reads single entries, at the union of the patterns' columns
+    (O(N x columns)).
     """
+    if triton_path is None:
+        triton_path = q.is_cuda and triton_available()
     b, h, n, _ = q.shape
+    if triton_path and patterns:
+        on_cols = torch.stack([membership(p.columns, n) for p in patterns])
+        on_diags = torch.stack([membership(p.diagonals, n) for p in patterns])
+        return list(pattern_kept_mass(q, k.to(q.dtype), on_cols, on_diags, scale).unbind(0))
     if chunk is None:
         # on a CPU, 128 rows keep a chunk near the cache (half the time of 512 rows at 4K)
         cap = 4096 if q.is_cuda else 128

@@ -22,9 +22,10 @@ inputs, and the ratios; the oracle's whole selection (kernel and top fraction) a
 attention-recall pass over an RBS selection, as each layer of a run pays them (`kept_block_mass`;
 and the block mass on the selection's mask, the first version). Both the kernel
 and dense attention do two N x N / 2 x D products, so equal FLOP/s would mean equal time.
-Rows `kind=recall_minference`: the recall pass of a token pattern (MInference's `kept_mass`, a
-chunked PyTorch dense pass with no kernel of its own), its time and peak workspace, at the same
-lengths.
+Rows `kind=recall_minference`: the recall pass of a token pattern (MInference's `kept_mass`), its
+time and peak workspace at the same lengths, on the fused kernel (kernels/pattern_mass.py, the
+default on CUDA) and on the chunked PyTorch pass (`_chunked` columns; rows from before the kernel
+have only `ms_recall_pass`, then the chunked pass).
 
 Writes results/speed/block_mass_<gpu>.csv after every row; a rerun skips the rows already there.
 """
@@ -226,26 +227,19 @@ def time_row(n: int, rep_ms: int, heads: int = 32, kv_heads: int = 4, d: int = 1
 
 
 def recall_minference_row(n: int, heads: int = 32, kv_heads: int = 4, d: int = 128) -> dict:
-    """Time and peak workspace of one recall pass over MInference's token pattern at context n
-    (one event-timed call after a warm-up: a call takes seconds)."""
+    """Time and peak workspace of one recall pass over MInference's token pattern at context n,
+    on the fused kernel (the default on CUDA: `ms_recall_pass`) and on the chunked PyTorch pass
+    (`ms_recall_pass_chunked`), with the largest difference of their recalls (one event-timed call
+    each after a warm-up: the chunked pass takes seconds at 128K)."""
     from rbs_bench import methods, synthetic
-    from rbs_bench.baselines.minference import MInference
-    from rbs_bench.methods.mass import attention_recall
+    from rbs_bench.baselines.minference import MInference, pattern_mass
 
     data = synthetic.generate(1, heads, kv_heads, n, d, seed=0, device="cuda", dtype=torch.bfloat16)
     q, k = data.q, data.k
     pattern = methods.build(MInference.name).select(q, k)
     short_q, short_k = q[..., :4096, :], k[..., :4096, :]  # warm-up: compile, allocate
-    attention_recall(short_q, short_k, methods.build(MInference.name).select(short_q, short_k))
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    recall = attention_recall(q, k, pattern)
-    end.record()
-    torch.cuda.synchronize()
-    return {
+    short = methods.build(MInference.name).select(short_q, short_k)
+    row = {
         "kind": "recall_minference",
         "case": f"recall_minference_n{n}",
         "dtype": "bf16",
@@ -253,11 +247,24 @@ def recall_minference_row(n: int, heads: int = 32, kv_heads: int = 4, d: int = 1
         "heads": heads,
         "kv_heads": kv_heads,
         "head_dim": d,
-        "ms_recall_pass": start.elapsed_time(end),
-        "workspace_mib": round((torch.cuda.max_memory_allocated() - base) / 2**20, 1),
         "minference_density": round(pattern.density(), 5),
-        "recall_mean": float(recall.mean()),
     }
+    recalls = {}
+    for name, fused in (("", True), ("_chunked", False)):
+        pattern_mass(short_q, short_k, None, [short], triton_path=fused)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        recalls[name] = pattern_mass(q, k, None, [pattern], triton_path=fused)[0] / n
+        end.record()
+        torch.cuda.synchronize()
+        row[f"ms_recall_pass{name}"] = start.elapsed_time(end)
+        row[f"workspace_mib{name}"] = round((torch.cuda.max_memory_allocated() - base) / 2**20, 1)
+    row["recall_mean"] = float(recalls[""].mean())
+    row["recall_err_vs_chunked"] = float((recalls[""] - recalls["_chunked"]).abs().max())
+    return row
 
 
 def print_table(rows: list[dict]) -> None:
@@ -285,9 +292,16 @@ def print_table(rows: list[dict]) -> None:
                 f"{r['ms_recall_pass_block_mass']:.2f} ms); workspace {r['workspace_mib']} MiB"
             )
         if r["kind"] == "recall_minference":
+            chunked = r.get("ms_recall_pass_chunked")
+            both = (
+                f" (chunked PyTorch {chunked:.1f} ms, {r['workspace_mib_chunked']} MiB; recall "
+                f"difference {r['recall_err_vs_chunked']:.2g})"
+                if isinstance(chunked, float) and chunked == chunked
+                else ""
+            )
             print(
                 f"N={r['n']}: MInference recall pass {r['ms_recall_pass']:.1f} ms, workspace "
-                f"{r['workspace_mib']} MiB"
+                f"{r['workspace_mib']} MiB{both}"
             )
 
 
