@@ -235,7 +235,8 @@ def test_the_mismatch_is_one_line_on_the_command_line(results):
 
 def test_the_recall_pass_is_timed_apart_from_the_prefill(tmp_path, session, monkeypatch):
     """recall=true runs a dense pass per layer inside the prefill forward; its seconds go to
-    recall_s, not to ttft_s (here each pass sleeps 0.25 s, far above the prefill itself)."""
+    recall_s, not to ttft_s (here each pass sleeps 1 s, far above the prefill itself, even on a
+    loaded 2-core machine, where the prefill took 3.6 s against 0.25 s x 6 passes)."""
     import time
 
     from rbs_bench.methods import mass
@@ -243,7 +244,7 @@ def test_the_recall_pass_is_timed_apart_from_the_prefill(tmp_path, session, monk
     real = mass.attention_recall
 
     def slow(*args, **kwargs):
-        time.sleep(0.25)
+        time.sleep(1.0)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(mass, "attention_recall", slow)
@@ -251,7 +252,7 @@ def test_the_recall_pass_is_timed_apart_from_the_prefill(tmp_path, session, monk
         _cfg(tmp_path, "method=rbs", "budget=default", "recall=true"), EXPERIMENT, session
     )
     (rec,) = read_records(path)
-    slept = 0.25 * len(rec["recall_layers"])
+    slept = 1.0 * len(rec["recall_layers"])
     assert rec["recall_s"] >= slept
     assert rec["ttft_s"] < slept and rec["generate_s"] < slept
     assert 0 < rec["recall"] <= 1
