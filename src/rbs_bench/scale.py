@@ -262,6 +262,7 @@ def calibration_entries(results: Path) -> pd.DataFrame:
                     "seconds": float(e["seconds"]),
                     "gpus": int(e.get("gpus") or 1),
                     "abs_error": float(e.get("abs_error") or 0.0),
+                    "date": str(e.get("date") or ""),
                     "source": str(path),
                 }
             )

@@ -113,8 +113,21 @@ def rehearsal_h200(src: Sources) -> str:
 @block("calibration_cost_h200")
 def calibration_cost_h200(src: Sources) -> str:
     """Calibration seconds on the H200, scaled to the paper's 50 prompts beside its Table 11."""
+    return _calibration_cost(src, "NVIDIA H200", REHEARSAL)
+
+
+@block("calibration_cost_h100_fp8")
+def calibration_cost_h100_fp8(src: Sources) -> str:
+    """The FP8 checkpoint's calibrations on one H100 (`fp8-calibrate`), scaled the same way: the
+    paper's own model, on the GPU kind of its TTFT claims."""
+    return _calibration_cost(src, "NVIDIA H100 80GB HBM3", "qwen3_30b_a3b_fp8")
+
+
+def _calibration_cost(src: Sources, gpu: str, model: str) -> str:
+    """Each method's calibration of `model` on `gpu`: seconds, forwards, seconds per forward and
+    GPU-hours scaled to the paper's 50 prompts (one knob, one target), beside Table 11."""
     cal = calibration_entries(src.results)
-    cal = cal[(cal["gpu"] == "NVIDIA H200") & (cal["model"] == REHEARSAL)]
+    cal = cal[(cal["gpu"] == gpu) & (cal["model"] == model)]
     pv = PaperValues.load(paths.paper_values_file(src.results))
     paper = {}
     for (table, row, column), cell in pv.cells.items():
@@ -135,7 +148,9 @@ def calibration_cost_h200(src: Sources) -> str:
     head += ["s per forward", f"GPU-hours for {PAPER_PROMPTS} prompts (one knob, one target)"]
     head += ["paper GPU-hours (Table 11)", "paper configurations"]
     files = sorted(set(cal["source"])) + [paths.paper_values_file(src.results)]
-    note = "The paper's figures are for all its configurations on two A100s with the FP8 model. "
+    dates = ", ".join(sorted(set(cal["date"]) - {""}))
+    note = f"{gpu}, {model}" + (f", calibrated {dates}" if dates else "") + ". "
+    note += "The paper's figures are for all its configurations on two A100s with the FP8 model. "
     return md_table(head, rows) + "\n" + note + sources_line(src, files) + "\n"
 
 
