@@ -236,18 +236,17 @@ def pattern_mass(
     if triton_path is None:
         triton_path = q.is_cuda and triton_available()
     b, h, n, _ = q.shape
+    on_cols = [membership(p.columns, n) for p in patterns]  # bool [B, H, N] over keys
+    on_diags = [membership(p.diagonals, n) for p in patterns]  # bool [B, H, N] over offsets
     if triton_path and patterns:
-        on_cols = torch.stack([membership(p.columns, n) for p in patterns])
-        on_diags = torch.stack([membership(p.diagonals, n) for p in patterns])
-        return list(pattern_kept_mass(q, k.to(q.dtype), on_cols, on_diags, scale).unbind(0))
+        cols, diags = torch.stack(on_cols), torch.stack(on_diags)
+        return list(pattern_kept_mass(q, k.to(q.dtype), cols, diags, scale).unbind(0))
     if chunk is None:
         # on a CPU, 128 rows keep a chunk near the cache (half the time of 512 rows at 4K)
         cap = 4096 if q.is_cuda else 128
         chunk = max(1, min(cap, PATTERN_MASS_WORKSPACE // (5 * 4 * b * h * n)))
     col_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over rows t of p_t(s), per key s
     diag_mass = q.new_zeros(b, h, n, dtype=torch.float32)  # sum over t of p_t(t - d), per offset d
-    on_cols = [membership(p.columns, n) for p in patterns]  # bool [B, H, N] over keys
-    on_diags = [membership(p.diagonals, n) for p in patterns]  # bool [B, H, N] over offsets
     union = torch.stack(on_cols).any(0)  # [B, H, N]
     width = int(union.sum(-1).max())
     ucols = union.to(torch.int8).sort(dim=-1, descending=True, stable=True).indices[..., :width]
