@@ -1,5 +1,6 @@
 """What the kernel test files share: `run`, which runs a test file again under Triton's CPU
-interpreter in a fresh Python; the device their kernel tests run on; the kv-list checks.
+interpreter in a fresh Python; the device their kernel tests run on; the kv-list checks; the mass
+kernels' random q and k (`qk`).
 
 TRITON_INTERPRET is read when triton decorates a kernel (at import), so a pytest process that
 already imported triton cannot switch to the interpreter; a subprocess started with it set can.
@@ -22,6 +23,16 @@ kernel_test = pytest.mark.skipif(
     DEVICE is None or not triton_available(),
     reason="needs CUDA, or TRITON_INTERPRET=1 before import (test_interpreter_suite runs these)",
 )
+
+
+def qk(hq, hkv, n, d, seed=0, device="cpu", dtype=torch.float32, b=1):
+    """Random q [b, hq, n, d] and k [b, hkv, n, d] where a few keys draw most of the mass (the
+    inputs of the mass kernels' tests)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, hq, n, d, generator=g) * 1.5
+    k = torch.randn(b, hkv, n, d, generator=g)
+    k[:, :, :: max(1, n // 5)] *= 4
+    return q.to(device, dtype), k.to(device, dtype)
 
 
 def lists_to_mask(count, idx):

@@ -12,7 +12,7 @@ import math
 import interpreter_suite
 import pytest
 import torch
-from interpreter_suite import CUDA, DEVICE, kernel_test
+from interpreter_suite import CUDA, DEVICE, kernel_test, qk
 from rbs_bench.kernels.block_mass import (
     block_mass,
     block_mass_ref,
@@ -22,14 +22,6 @@ from rbs_bench.kernels.block_mass import (
 )
 from rbs_bench.kernels.block_sparse_attn import block_lists_from_mask
 from rbs_bench.kernels.triton_util import INTERPRET, triton_available
-
-
-def qk(hq, hkv, n, d, seed=0, device="cpu", dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, hq, n, d, generator=g) * 1.5
-    k = torch.randn(1, hkv, n, d, generator=g)
-    k[:, :, :: max(1, n // 5)] *= 4  # a few keys that draw most of the mass
-    return q.to(device, dtype), k.to(device, dtype)
 
 
 def dense_block_mass(q, k, block, scale=None):

@@ -12,18 +12,10 @@ import math
 import interpreter_suite
 import pytest
 import torch
-from interpreter_suite import CUDA, DEVICE, kernel_test
+from interpreter_suite import CUDA, DEVICE, kernel_test, qk
 from rbs_bench.kernels.pattern_mass import pattern_kept_mass, pattern_kept_mass_ref
 from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 from rbs_bench.kernels.vertical_slash_attn import membership, vertical_slash_token_mask
-
-
-def qk(hq, hkv, n, d, seed=0, device="cpu", dtype=torch.float32, b=1):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, hq, n, d, generator=g) * 1.5
-    k = torch.randn(b, hkv, n, d, generator=g)
-    k[:, :, :: max(1, n // 5)] *= 4  # a few keys that draw most of the mass
-    return q.to(device, dtype), k.to(device, dtype)
 
 
 def ids(b, h, n, width, seed):
