@@ -115,6 +115,35 @@ def test_the_op_runs_the_reference_on_the_cpu_and_is_opaque_to_compile():
     assert torch.equal(fn(*args), want)
 
 
+def test_the_cublas_loop_gives_each_expert_its_rows_and_scales(monkeypatch):
+    """`_cublas_products` on the CPU, with torch._scaled_mm computing the block-scaled recipe in
+    fp32 from the views it is given: every expert's rows (4 experts, one empty) come out as
+    its dequantised weight times its rows dequantised with their blocked scales ([G, count] per
+    expert), and the rows past the last expert are zeros."""
+
+    def scaled_mm(a, b, scale_a, scale_b, out_dtype, out):
+        sa = scale_a.repeat_interleave(128, 1)  # [m, K]
+        sb = scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)  # [K, N]
+        out.copy_((a.float() * sa) @ (b.float() * sb))
+        return out
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    counts, groups, n = [8, 0, 4, 12], 2, 256
+    spans = [(sum(counts[:e]), c) for e, c in enumerate(counts)]
+    rows = sum(counts) + 6  # spare rows past the last expert
+    gen = torch.Generator().manual_seed(0)
+    xq = (torch.randn(rows, 128 * groups, generator=gen) * 64).to(torch.float8_e4m3fn)
+    xs = torch.rand(groups * rows, generator=gen) + 0.5
+    weight, w_s = quantized_weight((len(counts), n, 128 * groups), (128, 128), 1, "cpu")
+    got = fp8_moe._cublas_products(xq, xs, weight, w_s, spans, torch.float32)
+    for e, (first, count) in enumerate(spans):
+        scales = xs[groups * first : groups * (first + count)].view(groups, count)
+        x = xq[first : first + count].float() * scales.t().repeat_interleave(128, 1)
+        want = x @ dequantize_weight_ref(weight[e], w_s[e], (128, 128)).t()
+        torch.testing.assert_close(got[first : first + count], want)
+    assert bool((got[sum(counts) :] == 0).all())
+
+
 def test_bad_inputs_one_line():
     x, index, weights, gu, gu_s, dn, dn_s = moe(6, 2, 4, 128, 128, torch.float32)
     with pytest.raises(ValueError, match=r"top_k_index and top_k_weights must be \[N, k\]"):

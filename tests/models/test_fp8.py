@@ -239,6 +239,108 @@ def test_triton_backend_interpreted():
     assert res.returncode == 0 and re.search(r"\b1 passed", tail), tail
 
 
+# ------------------------------------------------------ q, k and v as one product
+
+
+def test_fused_linears_compute_the_layers_apart(fresh):
+    """`fuse_linears` on three FP8Linear layers of one input (q 256, k and v 128 wide): one product
+    equal to the three apart, whose weights and scales are now views of the fused ones."""
+    fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**fp8.entry_points("reference"))
+    layers = [fp8_linear_module(n, 384, "cpu", seed=i) for i, n in enumerate((256, 128, 128))]
+    x = torch.randn(2, 5, 384, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        apart = torch.cat([m(x) for m in layers], -1)
+        fused = fp8.fuse_linears(layers)
+        assert fused is not None and fused.sizes == (256, 128, 128)
+        got = fused(x)
+        views = torch.cat([m(x) for m in layers], -1)
+    assert got.shape == (2, 5, 512)
+    torch.testing.assert_close(got, apart)
+    torch.testing.assert_close(views, apart, rtol=0, atol=0)
+    w0, s0 = fused.weight.data_ptr(), fused.scale.data_ptr()
+    assert [m.weight.data_ptr() - w0 for m in layers] == [0, 256 * 384, 384 * 384]
+    assert [m.weight_scale_inv.data_ptr() - s0 for m in layers] == [0, 2 * 3 * 4, 3 * 3 * 4]
+
+
+def test_fused_linears_refuse_what_one_product_cannot_compute(fresh, monkeypatch):
+    """None (the layers left as they are) for a bias, another K, another weight block, the hub
+    kernel installed, or RBS_BENCH_FP8_QKV=0."""
+    fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**fp8.entry_points("reference"))
+
+    def three(k=384, n=(256, 128, 128)):
+        return [fp8_linear_module(w, k, "cpu", seed=i) for i, w in enumerate(n)]
+
+    biased = three()
+    biased[1].bias = torch.nn.Parameter(torch.zeros(128))
+    odd_k = three()
+    odd_k[2] = fp8_linear_module(128, 256, "cpu")
+    assert fp8.fuse_linears(biased) is None
+    assert fp8.fuse_linears(odd_k) is None
+    other_block = three()
+    other_block[1].block_size = (64, 128)
+    assert fp8.fuse_linears(other_block) is None
+    monkeypatch.setenv("RBS_BENCH_FP8_QKV", "0")
+    assert fp8.fuse_linears(three()) is None
+    monkeypatch.delenv("RBS_BENCH_FP8_QKV")
+    hub = fg.FineGrainedFP8(**{k: (lambda *a, **kw: None) for k in fp8.ENTRY_POINTS})
+    fg._FINEGRAINED_FP8 = hub
+    layers = three()
+    before = [m.weight.data_ptr() for m in layers]
+    assert fp8.fuse_linears(layers) is None
+    assert [m.weight.data_ptr() for m in layers] == before
+
+
+def test_fast_path_runs_fp8_qkv_as_one_product(fresh, monkeypatch):
+    """A small Qwen3-MoE whose q, k and v are FP8Linear layers: the fast path's attention forward
+    takes the fused product (one call of the entry point per layer for the three) and gives the
+    logits of the model with the three layers apart. The regions run uncompiled here; the
+    compiled graphs are checked in tests/models/test_fastpath.py."""
+    from rbs_bench.models import fastpath, hf_attention, rehearsal
+
+    hf_attention.register()
+    config = rehearsal.architecture_config(
+        "qwen3_30b_a3b", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, vocab_size=256,
+    )  # fmt: skip
+    model = rehearsal.build(config, "cpu", torch.float32, 0, hf_attention.ATTN_IMPL)
+    for layer in model.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(layer.self_attn, name)
+            new = fg.FP8Linear(old.in_features, old.out_features, block_size=(128, 128))
+            new.weight.data, new.weight_scale_inv.data = quantize(old.weight.data)
+            setattr(layer.self_attn, name, new)
+    calls, points = [], fp8.entry_points("reference")
+
+    def counted(x, weight, *args, **kwargs):
+        calls.append(weight.shape[0])
+        return points["matmul"](x, weight, *args, **kwargs)
+
+    counted.__module__ = fp8.__name__  # still this harness's entry point
+    fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**(points | {"matmul": counted}))
+    monkeypatch.setattr(fastpath, "_region", lambda fn: fn)
+    ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(1))
+
+    def logits():
+        with torch.inference_mode():
+            return model(input_ids=ids, use_cache=True).logits
+
+    monkeypatch.setenv("RBS_BENCH_FP8_QKV", "0")
+    fastpath.install(model)
+    apart, calls_apart = logits(), calls[:]
+    monkeypatch.delenv("RBS_BENCH_FP8_QKV")
+    calls.clear()
+    fastpath.install(model)
+    fused = logits()
+    assert calls_apart == [256, 128, 128] * 2 and calls == [512] * 2, (calls_apart, calls)
+    torch.testing.assert_close(fused, apart)
+    fastpath.install(model, compile=False)
+    assert not any(fastpath._QKV in m.__dict__ for m in model.modules())
+    calls.clear()
+    torch.testing.assert_close(logits(), apart)  # the layers on their views, apart again
+    assert calls == [256, 128, 128] * 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
 def test_compiled_layers_fuse_the_fp8_experts(fresh):

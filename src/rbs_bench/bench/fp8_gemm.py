@@ -4,10 +4,11 @@
     python -m rbs_bench.bench.fp8_gemm --out DIR --tokens 131072 --time-budget-s 300
 
 Shapes: Qwen3-30B-A3B-Instruct-2507-FP8's layers (the text layers of Qwen3-VL-30B-A3B-Thinking-FP8
-have the same): q 2048 -> 4096, k and v 2048 -> 512, o 4096 -> 2048 (`fp8_linear`, one row per
-token), and the experts' gate_up 2048 -> 1536 and down 768 -> 2048 (`fp8_grouped_linear`, 128
-experts, top-8 routing drawn uniformly per token: 8 rows per token, sorted by expert), weights
-e4m3 with fp32 scales per 128 x 128 block, bf16 activations.
+have the same): q 2048 -> 4096, k and v 2048 -> 512, the three as one product (qkv, 2048 ->
+5120, as the compiled layers run them), o 4096 -> 2048 (`fp8_linear`, one row per token), and
+the experts' gate_up 2048 -> 1536 and down 768 -> 2048 (`fp8_grouped_linear`, 128 experts, top-8
+routing drawn uniformly per token: 8 rows per token, sorted by expert), weights e4m3 with fp32
+scales per 128 x 128 block, bf16 activations.
 
 Checks (`kind=check`): each kernel (the default, activations quantised by their own pass, and
 `fused`, quantised inside the product) against `fp8_linear_ref` / `fp8_grouped_linear_ref` on the
@@ -53,7 +54,8 @@ import torch.nn.functional as F
 from rbs_bench.errors import positive_seconds
 from rbs_bench.kernels import fp8_gemm as fk
 
-LINEAR = {"q": (4096, 2048), "k": (512, 2048), "o": (2048, 4096)}  # name: (N, K); v is k's shape
+# name: (N, K); v is k's shape; qkv: q, k and v as one product (`models.fp8.fuse_linears`)
+LINEAR = {"q": (4096, 2048), "k": (512, 2048), "qkv": (5120, 2048), "o": (2048, 4096)}
 EXPERTS = {"gate_up": (1536, 2048), "down": (2048, 768)}
 NUM_EXPERTS, TOP_K, BLOCK = 128, 8, (128, 128)
 CHECK_TOKENS = (1, 129, 4099)
@@ -421,8 +423,8 @@ def print_table(rows: list[dict]) -> None:
 
 
 def layer_sums(times: list[dict]) -> list[str]:
-    """Per token count with every layer timed: a decoder layer's products, q + k + v + o + the
-    experts block (gather, both products, gate, weighted sum), FP8 against bf16
+    """Per token count with every layer timed: a decoder layer's products, q + k + v (qkv where
+    timed) + o + the experts block (gather, both products, gate, weighted sum), FP8 against bf16
     (`tables.blocks_kernels.fp8_layer_sums`, the sums the docs print)."""
     import pandas as pd
 

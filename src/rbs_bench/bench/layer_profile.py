@@ -2,6 +2,8 @@
 
     python -m rbs_bench.bench.layer_profile                       # Qwen3-30B-A3B shape, 128K
     python -m rbs_bench.bench.layer_profile --model qwen3_32b --context 65536 --paths eager
+    python -m rbs_bench.bench.layer_profile --checkpoint /tmp/rbs-checkpoints/qwen3_30b_a3b_fp8 \
+        --model qwen3_30b_a3b_fp8 --paths compiled --ffn-chunk-tokens 0
 
 For each path (`eager`: transformers' own layer forward; `compiled`: the regions outside attention
 compiled, `rbs_bench.models.fastpath`) it builds the random-weight model of `bench.ttft` with
@@ -45,6 +47,7 @@ PATHS = ("eager", "compiled")
 FAMILIES = (
     ("selector", r"_rbs_|block_stats|rescue_beta|_select|_score|_prep|_estimate|_pool"),
     ("attention", r"fmha|flash|sdpa|attention|attn|_block_sparse|cudnn"),
+    ("quantise", r"quant"),  # the FP8 activation passes (kernels/fp8_gemm.py, fp8_moe.py)
     ("gemm", r"^triton_tem|gemm|gemv|cutlass|nvjet|xmma|matmul|cublas|s16816|wgmma|fp8"),
     ("fused", r"^triton_"),  # inductor's generated kernels (after its GEMM templates)
     ("sort", r"sort|radix|cub::"),
@@ -55,6 +58,7 @@ FAMILIES = (
     ("elementwise", r"elementwise|vectorized|unrolled|pointwise"),
 )
 GOAL_MS, GOAL_RATIO = 40.0, 1.5
+RANDOM_MODELS = ("qwen3_30b_a3b", "qwen3_32b")
 
 
 def family(kernel: str) -> str:
@@ -172,8 +176,13 @@ def run(args) -> pd.DataFrame:
         selector = methods.build(args.method)
         if args.knob is not None:
             selector = selector.with_knob(args.knob)
+    if args.checkpoint is None and (args.model or "qwen3_30b_a3b") not in RANDOM_MODELS:
+        raise UserError(
+            f"--model {args.model}: valid without --checkpoint: {', '.join(RANDOM_MODELS)}"
+        )
     tc = TimingCfg(
-        model=args.model,
+        model=args.model or (None if args.checkpoint else "qwen3_30b_a3b"),
+        checkpoint=str(args.checkpoint) if args.checkpoint else None,
         layers=args.layers,
         contexts=[args.context],
         ffn_chunk_tokens=args.ffn_chunk_tokens,
@@ -246,7 +255,16 @@ def summary(df: pd.DataFrame, n: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen3_30b_a3b", choices=["qwen3_30b_a3b", "qwen3_32b"])
+    ap.add_argument(
+        "--model",
+        help="qwen3_30b_a3b (default) or qwen3_32b; with --checkpoint, the name of its rows",
+    )
+    ap.add_argument(
+        "--checkpoint",
+        type=Path,
+        help="a checkpoint directory (e.g. the FP8 one rbs_bench.models.rehearsal writes), its "
+        "first --layers layers loaded through from_pretrained instead of a random model",
+    )
     ap.add_argument("--context", type=int, default=131072)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)

@@ -15,7 +15,8 @@ runs exactly as before:
 - the input and post-attention RMSNorms (one fused kernel each);
 - the attention module's projections, q/k norms and rotary embedding, as one region: its
   key/value cache update and the attention function (`rbs_sparse`, SDPA, ...) run eagerly after it,
-  then the output projection;
+  then the output projection. Block-FP8 q, k and v projections run first, eagerly, as one product
+  (`fp8.fuse_linears`: one quantisation of the input, one GEMM), and the region takes its output;
 - the feed-forward block (MoE router and grouped experts, or a dense SwiGLU MLP), which
   `rbs_bench.models.feedforward` still runs over bounded token chunks.
 
@@ -44,6 +45,8 @@ import types
 import torch
 from torch import Tensor
 
+from rbs_bench.models import fp8
+
 # Attention modules whose forward is: q/k/v projections (q/k norms over the head dim, if any),
 # rotary embedding, cache update, the attention interface, output projection.
 ATTENTION_CLASSES = (
@@ -55,6 +58,7 @@ ATTENTION_CLASSES = (
 )
 _EAGER = "_rbs_eager_forwards"  # on the model: {module: its own forward attribute or None}
 _REGIONS: dict = {}  # function -> its compiled version, shared by every layer
+_QKV = "_rbs_qkv"  # on an attention module: its FP8 q, k and v as one product (fp8.fuse_linears)
 
 
 def enabled(setting: bool | None, device: torch.device) -> bool:
@@ -90,6 +94,9 @@ def install(model: torch.nn.Module, compile: bool = True) -> int:
         attn = layer.self_attn
         if type(attn).__name__ in ATTENTION_CLASSES:
             _set_forward(attn, types.MethodType(_attention_forward, attn), saved)
+            qkv = fp8.fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            if qkv is not None:
+                attn.__dict__[_QKV] = qkv
     model.__dict__[_EAGER] = saved
     return len(layers)
 
@@ -123,6 +130,8 @@ def is_installed(model: torch.nn.Module) -> bool:
 
 
 def _restore(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        module.__dict__.pop(_QKV, None)  # the layers' weights stay views of the fused ones
     for module, own in model.__dict__.pop(_EAGER, {}).items():
         attr = "_old_forward" if hasattr(module, "_hf_hook") else "forward"
         if own is None:
@@ -177,10 +186,18 @@ def _feedforward(block: torch.nn.Module, x: Tensor) -> Tensor:
 
 def _project(attn: torch.nn.Module, hidden: Tensor, cos: Tensor, sin: Tensor):
     """q [B, Hq, N, D], k and v [B, Hkv, N, D]: projections, q/k norms, rotary embedding."""
-    shape = (*hidden.shape[:-1], -1, attn.head_dim)
-    q = attn.q_proj(hidden).view(shape)
-    k = attn.k_proj(hidden).view(shape)
-    v = attn.v_proj(hidden).view(shape).transpose(1, 2)
+    return _heads(attn, attn.q_proj(hidden), attn.k_proj(hidden), attn.v_proj(hidden), cos, sin)
+
+
+def _project_fused(attn: torch.nn.Module, qkv: Tensor, sizes: tuple, cos: Tensor, sin: Tensor):
+    """`_project` after one product of the three projections (q, k, v concatenated)."""
+    q, k, v = qkv.split(sizes, dim=-1)
+    return _heads(attn, q, k, v, cos, sin)
+
+
+def _heads(attn: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor):
+    shape = (*q.shape[:-1], -1, attn.head_dim)
+    q, k, v = q.view(shape), k.view(shape), v.view(shape).transpose(1, 2)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
     rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb  # the model's own RoPE
@@ -206,7 +223,13 @@ def _attention_forward(
     cache = args[0] if args else kwargs.pop("cache", kwargs.pop("past_key_values", None))
     cos, sin = position_embeddings
     _tokens_dynamic(hidden_states, cos, sin)
-    q, k, v = _region(_project)(self, hidden_states, cos, sin)
+    fused = self.__dict__.get(_QKV)
+    if fused is None:
+        q, k, v = _region(_project)(self, hidden_states, cos, sin)
+    else:  # the product runs eagerly (an opaque op either way), the rest compiled
+        qkv = fused(hidden_states)
+        _tokens_dynamic(qkv)
+        q, k, v = _region(_project_fused)(self, qkv, fused.sizes, cos, sin)
     if cache is not None:
         k, v = _update(cache, k, v, self, kwargs)
     eager = sys.modules[type(self).__module__].eager_attention_forward

@@ -14,6 +14,11 @@ at load time. transformers' DeepGEMM path is then switched off for linear layers
 only when asked for (`experts_implementation="deepgemm"`).
 
 `rbs_bench.models.load` calls `prepare(config, device)` before `from_pretrained`.
+
+`fuse_linears` makes FP8 layers that read the same input (an attention module's q, k and v) one
+product, as serving engines do: the input is quantised once instead of once per layer, and one
+GEMM of N = N_q + N_k + N_v replaces three (the k and v products alone are too small to fill an
+H100). The compiled layers (`rbs_bench.models.fastpath`) take it.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import dataclasses
 import os
 import sys
 
-__all__ = ["entry_points", "install", "is_fp8", "prepare"]
+__all__ = ["FusedLinears", "entry_points", "fuse_linears", "install", "is_fp8", "prepare"]
 
 ENTRY_POINTS = ("matmul", "batched_matmul", "grouped_matmul")
 _REQUIRED = ("_FINEGRAINED_FP8", "FineGrainedFP8", "load_finegrained_fp8_kernel")
@@ -164,6 +169,84 @@ def install(device=None, force: bool = False, backend: str = "triton") -> str:
         file=sys.stderr,
     )
     return "rbs_bench"
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedLinears:
+    """FP8 layers of one input as one product: `weight` [sum N_i, K] e4m3 holds the layers'
+    weights as row blocks (each layer's own weight and scales are now views of it and of `scale`),
+    `sizes` their N_i. Called on x [..., K], it returns [..., sum N_i] through the installed
+    entry point's `matmul`, the function each layer would call on its own rows of the weight."""
+
+    weight: object
+    scale: object
+    block_size: tuple[int, int]
+    sizes: tuple[int, ...]
+
+    def __call__(self, x):
+        from transformers.integrations import finegrained_fp8 as fg
+
+        return fg._FINEGRAINED_FP8.matmul(x, self.weight, self.scale, self.block_size)
+
+
+def _fusable(layers) -> bool:
+    import torch
+
+    first = layers[0]
+    block = getattr(first, "block_size", None)
+    if block is None or len(layers) < 2:
+        return False
+    block = _blocks(block)
+    return all(
+        type(m) is type(first)
+        and getattr(m, "weight", None) is not None
+        and m.weight.dtype == torch.float8_e4m3fn
+        and m.weight.dim() == 2
+        and getattr(m, "weight_scale_inv", None) is not None
+        and m.weight_scale_inv.dtype == first.weight_scale_inv.dtype
+        and getattr(m, "bias", None) is None
+        and getattr(m, "activation_scale", None) is None
+        and getattr(m, "_hf_hook", None) is None  # an offloading hook loads the weight per call
+        and _blocks(getattr(m, "block_size", None)) == block
+        and m.weight.shape[1] == first.weight.shape[1]
+        and m.weight.shape[0] % block[0] == 0
+        and m.weight.device == first.weight.device
+        for m in layers
+    )
+
+
+def fuse_linears(layers) -> FusedLinears | None:
+    """One `FusedLinears` for FP8Linear `layers` that read the same input, or None where they
+    cannot be one product: this harness's entry points are not the installed ones (the hub
+    kernel keeps its own dispatch), the layers differ in type, block size, K, device or scale
+    dtype, have a bias or a static activation scale, or an N that is not a multiple of the weight
+    block. Block-wise numerics are unchanged: each output column sums the same quantised
+    products. RBS_BENCH_FP8_QKV=0 keeps the layers apart."""
+    import torch
+
+    try:
+        from transformers.integrations import finegrained_fp8 as fg
+    except ImportError:
+        return None
+    current = getattr(fg, "_FINEGRAINED_FP8", None)
+    if (
+        os.environ.get("RBS_BENCH_FP8_QKV", "1") == "0"
+        or current is None
+        or getattr(current.matmul, "__module__", "") != __name__
+        or not _fusable(layers)
+    ):
+        return None
+    block = _blocks(layers[0].block_size)
+    with torch.no_grad():
+        weight = torch.cat([m.weight for m in layers])
+        scale = torch.cat([m.weight_scale_inv for m in layers])
+        row = 0
+        for m in layers:  # the layers' own tensors become views: no second copy of the weights
+            n = m.weight.shape[0]
+            m.weight.data = weight[row : row + n]
+            m.weight_scale_inv.data = scale[row // block[0] : (row + n) // block[0]]
+            row += n
+    return FusedLinears(weight, scale, block, tuple(m.weight.shape[0] for m in layers))
 
 
 def _known(fg) -> bool:

@@ -275,13 +275,17 @@ def _bf16_ms(r) -> float:
 
 def fp8_layer_sums(times: pd.DataFrame) -> list[tuple[int, float, float]]:
     """(tokens, FP8 ms, bf16 ms) of a decoder layer's products, q + k + v + o + the experts
-    block, for each token count of `bench.fp8_gemm`'s time rows with all of them timed."""
+    block, for each token count of `bench.fp8_gemm`'s time rows with all of them timed. Where
+    the run timed `qkv` (q, k and v as one product, as the compiled layers run FP8 ones), both
+    sums take it: bf16 fused the same way, like for like."""
     sums = []
     for tokens, at in times.groupby("tokens"):
         by = at.set_index("layer")
         if not {"q", "k", "o", "experts"} <= set(by.index):
             continue
         parts = ["q", "k", "k", "o", "experts"]  # v has k's shape
+        if "qkv" in by.index:
+            parts = ["qkv", "o", "experts"]
         fp8 = sum(float(by.loc[p, "ms_fp8"]) for p in parts)
         bf16 = sum(_bf16_ms(by.loc[p]) for p in parts)
         sums.append((int(tokens), fp8, bf16))
