@@ -201,3 +201,24 @@ def _compiled_logits_and_graph_breaks(model):
     fastpath.install(model)
     out = logits(model, IDS)
     return out, sum(torch._dynamo.utils.counters["graph_break"].values())
+
+
+def test_the_router_runs_its_top_k_as_one_op(monkeypatch):
+    """A top-k router takes `_router_forward` (its softmax, top-k and normalisation as the
+    `router_topk` op) with the same outputs as its own forward; install(False) restores it and
+    RBS_BENCH_ROUTER_TOPK=0 leaves it alone."""
+    model = moe(1)
+    gate = model.model.layers[0].mlp.gate
+    fastpath.install(model)
+    assert gate.forward.__func__ is fastpath._router_forward
+    x = torch.randn(10, SMALL_MOE["hidden_size"], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        own, mine = type(gate).forward(gate, x), gate(x)
+    for a, b in zip(own, mine):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    fastpath.install(model, compile=False)
+    assert "forward" not in gate.__dict__
+    monkeypatch.setenv("RBS_BENCH_ROUTER_TOPK", "0")
+    fastpath.install(model)
+    assert "forward" not in gate.__dict__
+    fastpath.install(model, compile=False)

@@ -17,7 +17,8 @@ runs exactly as before:
   key/value cache update and the attention function (`rbs_sparse`, SDPA, ...) run eagerly after it,
   then the output projection. Block-FP8 q, k and v projections run first, eagerly, as one product
   (`fp8.fuse_linears`: one quantisation of the input, one GEMM), and the region takes its output;
-- the feed-forward block (MoE router and grouped experts, or a dense SwiGLU MLP), which
+- the feed-forward block (MoE router and grouped experts, or a dense SwiGLU MLP; a top-k
+  router's softmax, top-k and normalisation as one kernel, `kernels.router_topk`), which
   `rbs_bench.models.feedforward` still runs over bounded token chunks.
 
 A region is compiled once per process for all layers (each call passes its module, whose
@@ -87,6 +88,9 @@ def install(model: torch.nn.Module, compile: bool = True) -> int:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             _set_forward(norm, _bind(_norm_forward, norm), saved)
         _set_forward(layer.mlp, _bind(_feedforward, layer.mlp), saved)
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None and _router_fusable(gate):
+            _set_forward(gate, types.MethodType(_router_forward, gate), saved)
         experts = getattr(layer.mlp, "experts", None)
         if experts is not None and _grouped_experts(experts):
             experts._rbs_fp8_fused = _fp8_fusable(experts)
@@ -202,9 +206,12 @@ def _heads(attn: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, 
         q, k = attn.q_norm(q), attn.k_norm(k)
     rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb  # the model's own RoPE
     q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    # left in the projections' [B, N, H, D] memory: made contiguous here, the queries cost a
-    # further copy in dense SDPA (measured, results/speed/layer_profile_*.csv)
-    return q, k, v
+    # q is left in the projections' [B, N, H, D] memory: made contiguous here, the queries cost
+    # a further copy in dense SDPA (measured, results/speed/layer_profile_*.csv). k and v (an
+    # eighth of q's size with GQA) are written contiguous [B, Hkv, N, D] by this region's own
+    # kernels: the KV cache concatenates them next, and its copy of strided inputs took 0.87 ms
+    # a layer at 128K tokens (results/speed/layer_profile_nvidia_h200.csv, family copy)
+    return q, k.contiguous(), v.contiguous()
 
 
 def _attention_forward(
@@ -264,6 +271,51 @@ def _passes_kwargs(cls: type) -> bool:
     import inspect
 
     return "self.layer_idx, kwargs=kwargs)" in inspect.getsource(cls.forward)
+
+
+_ROUTERS: dict = {}  # router class -> whether `_router_forward` computes its forward
+
+
+def _router_fusable(gate: torch.nn.Module) -> bool:
+    """A top-k router (logits = hidden @ weight.T, softmax, top-k, optionally normalised: the
+    Qwen3-MoE family's) whose own forward `_router_forward` reproduces, checked once per class on
+    a small input: the same experts up to ties, weights within bf16 rounding.
+    RBS_BENCH_ROUTER_TOPK=0 keeps the router's own forward."""
+    import os
+
+    names = ("top_k", "num_experts", "norm_topk_prob", "hidden_dim", "weight")
+    if os.environ.get("RBS_BENCH_ROUTER_TOPK", "1") == "0" or not all(
+        hasattr(gate, n) for n in names
+    ):
+        return False
+    if getattr(gate, "bias", None) is not None or gate.weight.dim() != 2:
+        return False
+    cls = type(gate)
+    if cls not in _ROUTERS:
+        w = gate.weight
+        gen = torch.Generator(device=w.device).manual_seed(0)
+        x = torch.randn(64, w.shape[1], generator=gen, device=w.device).to(w.dtype)
+        with torch.no_grad():
+            own, mine = type(gate).forward(gate, x), _router_forward(gate, x)
+        ok = len(own) == 3 and own[2].shape == mine[2].shape and own[1].dtype == mine[1].dtype
+        if ok:
+            p = torch.softmax(own[0].double(), -1)
+            ok = torch.equal(p.gather(1, own[2]), p.gather(1, mine[2])) and torch.allclose(
+                own[1].double(), mine[1].double(), rtol=2**-7, atol=1e-6
+            )
+        _ROUTERS[cls] = bool(ok)
+    return _ROUTERS[cls]
+
+
+def _router_forward(self, hidden_states: Tensor):
+    """The router's forward with its softmax, top-k and normalisation in one kernel
+    (`kernels.router_topk`): (logits, weights, expert ids)."""
+    from rbs_bench.kernels.router_topk import router_topk
+
+    hidden = hidden_states.reshape(-1, self.hidden_dim)
+    logits = torch.nn.functional.linear(hidden, self.weight)
+    weights, index = router_topk(logits, self.top_k, bool(self.norm_topk_prob))
+    return logits, weights, index
 
 
 def _grouped_experts(experts: torch.nn.Module) -> bool:
