@@ -358,14 +358,13 @@ def _cublas_products(
     """Each expert's rows [first, first + count) times its weight, one cuBLAS call each, into
     one [R, N] output (blocked scales); unused rows are zeros.
 
-    The calls take turns over `_streams()` CUDA streams: the experts' products are independent
-    (their own rows in, their own rows out), and on one stream each product's last partial wave
-    of tiles and the gap before the next launch leave SMs idle 256 times a layer. The side
-    streams start after the current stream's work so far (the quantised rows) and the current
-    stream waits for them before returning, so every later pass, and any reuse of these buffers'
-    memory, comes after the products. Every per-expert view comes from one call made before the
-    loop (`split`, `unbind`; the scales' [count, G] view from one `as_strided`): the loop is the
-    host's share of the block."""
+    Every per-expert view comes from one call made before the loop (`split`, `unbind`; the
+    scales' [count, G] view from one `as_strided`), leaving the product as the loop's only call.
+    At 128K tokens the block is bound by the GPU either way (H200: 14.1 ms of kernels in a
+    15.6-16.1 ms call, the host done after 10 ms, results/scale/logs/
+    h200_s11_call1_fp8_qkv_ttft.txt); taking turns over 2-4 CUDA streams gained nothing
+    (17.05-17.67 ms against 17.18-17.35 on one,
+    results/scale/logs/h200x2_s11_call2_gpu_suite_streams_ttft.txt)."""
     r, k = xq.shape
     groups = k // CUBLAS_BLOCK[1]
     out = torch.empty(r, weight.shape[1], dtype=out_dtype, device=xq.device)
@@ -373,36 +372,15 @@ def _cublas_products(
     sizes = [count for _, count in spans] + [r - used]
     rows, outs = xq.split(sizes), out.split(sizes)
     weights_t, scales_t = weight.transpose(1, 2).unbind(0), scales.transpose(1, 2).unbind(0)
-    main = torch.cuda.current_stream(xq.device) if xq.is_cuda else None
-    streams = [main, *_side_streams(xq.device)] if xq.is_cuda else [None]  # None: no switch
-    for side in streams[1:]:
-        side.wait_stream(main)
-    live = [e for e, (_, count) in enumerate(spans) if count]
-    for turn, e in enumerate(live):
-        first, count = spans[e]
+    for e, (first, count) in enumerate(spans):
+        if count == 0:
+            continue
         a_s = xs.as_strided((count, groups), (1, count), groups * first)  # [G, count] transposed
-        with torch.cuda.stream(streams[turn % len(streams)]):
-            torch._scaled_mm(
-                rows[e], weights_t[e], a_s, scales_t[e], out_dtype=out_dtype, out=outs[e]
-            )  # fmt: skip
-    for side in streams[1:]:
-        main.wait_stream(side)
+        torch._scaled_mm(
+            rows[e], weights_t[e], a_s, scales_t[e], out_dtype=out_dtype, out=outs[e]
+        )  # fmt: skip
     out[used:].zero_()
     return out
-
-
-STREAMS_DEFAULT = 2  # streams the experts' cuBLAS products take turns on (RBS_BENCH_FP8_STREAMS)
-_SIDE: dict = {}  # device -> its side streams, made once
-
-
-def _side_streams(device: torch.device) -> list:
-    """The side streams of `device` for `_cublas_products` (RBS_BENCH_FP8_STREAMS - 1 of them;
-    1 keeps every product on the current stream)."""
-    n = max(1, int(os.environ.get("RBS_BENCH_FP8_STREAMS", STREAMS_DEFAULT))) - 1
-    key = (torch.device(device), n)
-    if key not in _SIDE:
-        _SIDE[key] = [torch.cuda.Stream(device) for _ in range(n)]
-    return _SIDE[key]
 
 
 def _triton_products(

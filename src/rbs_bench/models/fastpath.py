@@ -206,12 +206,9 @@ def _heads(attn: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, 
         q, k = attn.q_norm(q), attn.k_norm(k)
     rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb  # the model's own RoPE
     q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    # q is left in the projections' [B, N, H, D] memory: made contiguous here, the queries cost
-    # a further copy in dense SDPA (measured, results/speed/layer_profile_*.csv). k and v (an
-    # eighth of q's size with GQA) are written contiguous [B, Hkv, N, D] by this region's own
-    # kernels: the KV cache concatenates them next, and its copy of strided inputs took 0.87 ms
-    # a layer at 128K tokens (results/speed/layer_profile_nvidia_h200.csv, family copy)
-    return q, k.contiguous(), v.contiguous()
+    # left in the projections' [B, N, H, D] memory: made contiguous here, the queries cost a
+    # further copy in dense SDPA (measured, results/speed/layer_profile_*.csv)
+    return q, k, v
 
 
 def _attention_forward(
