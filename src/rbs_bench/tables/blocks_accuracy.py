@@ -203,6 +203,7 @@ def headline(src: Sources) -> str:
     for gpu, model, layers, chunk, label in (
         (H200, "qwen3_30b_a3b", 48, 0, "H200, Qwen3-30B-A3B shape, bf16, unchunked"),
         (H100, "qwen3_30b_a3b_fp8", 48, 131072, "H100, FP8 checkpoint layout, unchunked"),
+        (H200, "qwen3_30b_a3b_fp8", 48, 131072, "H200, FP8 checkpoint layout, unchunked"),
         (H200, "qwen3_32b", 64, 32768, "H200, Qwen3-32B shape, bf16"),
     ):
         sub, path = ttft_rows(src, gpu, model, layers, True, chunk)

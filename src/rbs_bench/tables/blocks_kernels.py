@@ -21,7 +21,7 @@ from rbs_bench.tables.blocks import (
     sources_line,
     speed_file,
 )
-from rbs_bench.tables.blocks_speed import H100, LONG, TARGET, standalone_at
+from rbs_bench.tables.blocks_speed import H100, H200, LONG, TARGET, standalone_at
 
 HEADS = 32  # query heads of the benchmark's shape: an attention grid is (N / 128) x heads tiles
 
@@ -225,11 +225,22 @@ def cudnn_rate_128k(src: Sources) -> str:
 
 @block("fp8_gemm_h100")
 def fp8_gemm_h100(src: Sources) -> str:
-    """`bench.fp8_gemm` on one H100: each FP8 layer's product at its largest token count as the
-    model calls it (cuBLAS's block-scaled GEMM where it takes the shape, else Triton), its parts,
-    and bf16 on the same rows; the experts block as the compiled layers run it (`fp8_moe`); the
-    checks passed; the sum of a layer's products at each token count."""
-    path = speed_file(src, f"fp8_gemm_{H100}.csv")
+    """`bench.fp8_gemm` on one H100 (`_fp8_gemm_table`)."""
+    return _fp8_gemm_table(src, H100)
+
+
+@block("fp8_gemm_h200")
+def fp8_gemm_h200(src: Sources) -> str:
+    """`bench.fp8_gemm` on one H200 (`_fp8_gemm_table`)."""
+    return _fp8_gemm_table(src, H200)
+
+
+def _fp8_gemm_table(src: Sources, gpu: str) -> str:
+    """Each FP8 layer's product at the largest token count as the model calls it (cuBLAS's
+    block-scaled GEMM where it takes the shape, else Triton), its parts, and bf16 on the same
+    rows; the experts block as the compiled layers run it (`fp8_moe`); the checks passed (a run
+    without checks says so); the sum of a layer's products at each token count."""
+    path = speed_file(src, f"fp8_gemm_{gpu}.csv")
     df = read_csv(src, path)
     checks = df[df["kind"] == "check"]
     every = df[df["kind"] == "time"]
@@ -243,7 +254,7 @@ def fp8_gemm_h100(src: Sources) -> str:
             runs = "`fp8_moe`, 4 passes"
         elif r["layer"] in ("gate_up", "down"):
             runs += ", alone (a part of experts)"
-        name = f"{r['layer']}{' (and v)' if r['layer'] == 'k' else ''}"
+        name = {"k": "k (and v)", "qkv": "qkv (q, k, v as one)"}.get(r["layer"], r["layer"])
         rows.append([
             name, runs, f"{num(r['ms_fp8'], '.2f')} ({num(r['tflops_fp8'], '.0f')})",
             num(r.get("ms_fp8_quant"), ".2f"), num(r.get("ms_fp8_cublas_block_gemm"), ".2f"),
@@ -251,17 +262,24 @@ def fp8_gemm_h100(src: Sources) -> str:
         ])  # fmt: skip
     head = ["layer", "runs on", "FP8 ms (TFLOP/s)", "its quantisation", "cuBLAS product alone"]
     head += ["Triton product alone", "bf16 ms", "bf16 / FP8"]
-    passed = int((checks["check"] == "PASS").sum())
+    passed = int((checks["check"] == "PASS").sum()) if "check" in checks else 0
     sums = [
-        f"{tokens:,} tokens: FP8 {fp8:.1f} ms, bf16 {bf16:.1f} ms ({fp8 / bf16:.2f}x)"
+        f"{tokens:,} tokens: FP8 {fp8:.1f} ms, bf16 {bf16:.1f} ms ({fp8 / bf16:.3f}x)"
         for tokens, fp8, bf16 in fp8_layer_sums(every)
     ]
     note = (
         "The experts row is the whole block as the compiled layers run it (the quantised gather, "
         "both products, the gate, the weighted sum) against bf16 `grouped_mm` with its gather, "
-        "gate and sum; gate_up and down are its products timed alone. A layer's products "
-        "(q, k, v, o and the experts block): " + "; ".join(sums) + ". "
-        f"Checks against the reference: {passed} of {len(checks)} pass. "
+        "gate and sum; gate_up and down are its products timed alone; qkv is q, k and v as one "
+        "product, as the compiled layers run FP8 ones (bf16 the same way). A layer's products "
+        "(qkv where the run timed it, else q, k and v apart; o; the experts block): "
+        + "; ".join(sums) + ". "
+        + (
+            f"Checks against the reference: {passed} of {len(checks)} pass. "
+            if len(checks)
+            else "This run made no checks (`--no-checks`); tests/kernels/test_fp8_gemm.py "
+            "compares every path with the reference on the GPU. "
+        )
     )
     return md_table(head, rows) + "\n" + note + sources_line(src, [path]) + "\n"
 

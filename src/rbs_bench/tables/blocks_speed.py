@@ -267,7 +267,19 @@ def layer_families_h100(src: Sources) -> str:
 @block("layer_profile_h200")
 def layer_profile_h200(src: Sources) -> str:
     """Where one layer of the 48-layer compiled model spends its time on an H200."""
-    df, path = _profile(src, H200)
+    return _family_table(src, H200, "qwen3_30b_a3b")
+
+
+@block("layer_profile_h200_fp8")
+def layer_profile_h200_fp8(src: Sources) -> str:
+    """The same for the FP8 checkpoint's layers (`layer_profile --checkpoint`) on an H200."""
+    return _family_table(src, H200, "qwen3_30b_a3b_fp8")
+
+
+def _family_table(src: Sources, gpu: str, model: str) -> str:
+    """The kernel families of `model`'s last profile on `gpu`, with its outside-attention time."""
+    df, path = _profile(src, gpu)
+    df = df[df["model"] == model]
     last = df[df["run"] == df["run"].iloc[-1]]
     r0 = last.iloc[0]
     rows = [
@@ -442,6 +454,15 @@ def ttft_h100_fp8_whole(src: Sources) -> str:
     wanted = ["TTFT, batch 1 (s)", "prefill attention speedup", "TTFT speedup"]
     wanted += ["outside attention per layer (ms)", "density %", "peak allocated (GiB)"]
     return _ttft_block(src, H100, "qwen3_30b_a3b_fp8", 48, True, LONG_CHUNK, wanted, "H100, FP8")
+
+
+@block("ttft_h200_fp8_whole")
+def ttft_h200_fp8_whole(src: Sources) -> str:
+    """The FP8 checkpoint with the feed-forward over the whole prompt, one H200: the rows of the
+    latest fp8-ttft run."""
+    wanted = ["TTFT, batch 1 (s)", "prefill attention speedup", "TTFT speedup"]
+    wanted += ["outside attention per layer (ms)", "over the layer's GEMMs", "density %"]
+    return _ttft_block(src, H200, "qwen3_30b_a3b_fp8", 48, True, LONG_CHUNK, wanted, "H200, FP8")
 
 
 @block("ttft_h100_4l")
