@@ -234,7 +234,9 @@ def calibrate_cell(cfg, session) -> dict | None:
     print(
         f"{cfg.method.name} @ {cfg.budget.target:.4f}: {entry['knob_name']}={entry['knob']:.6g}"
         f" -> density {entry['density_mean']:.5f} (error {entry['abs_error']:.2e}, "
-        f"{entry['steps']} steps, {entry['forwards']} forwards, {entry['seconds']} s) -> {path}"
+        f"{entry['steps']} steps, {entry['forwards']} forwards, {entry['seconds']} s; "
+        f"{entry['prompts']} prompts of {entry['context_length']} tokens on {entry['gpus'] or 1} "
+        f"{entry['device']}) -> {path}"
     )
     return entry
 
