@@ -222,3 +222,20 @@ def test_the_router_runs_its_top_k_as_one_op(monkeypatch):
     fastpath.install(model)
     assert "forward" not in gate.__dict__
     fastpath.install(model, compile=False)
+
+
+def test_a_prefill_into_an_empty_cache_layer_keeps_its_tensors():
+    """The first update of a DynamicCache layer stores k and v themselves (no copy); a second
+    goes through the cache's own update; a cache without that layer yet is left to its update."""
+    from transformers import DynamicCache
+
+    model = moe(1)
+    cache = DynamicCache(config=model.config)
+    k, v = torch.randn(1, 2, 5, 32), torch.randn(1, 2, 5, 32)
+    assert fastpath._first_update(cache, k, v, 0)
+    assert cache.layers[0].keys is k and cache.layers[0].values is v
+    assert cache.get_seq_length(0) == 5
+    assert not fastpath._first_update(cache, k, v, 0)
+    keys, _ = cache.update(k[:, :, :1], v[:, :, :1], 0)
+    torch.testing.assert_close(keys, torch.cat([k, k[:, :, :1]], -2))
+    assert not fastpath._first_update(DynamicCache(), k, v, 0)
