@@ -62,6 +62,10 @@ def test_compiled_logits_equal_eager_prefill_and_decode(build):
     torch.testing.assert_close(logits(model, ids[:, :257]), want[:, :257], rtol=1e-4, atol=1e-4)
     with torch.inference_mode():  # a decode step through the cache the compiled prefill filled
         out = model(input_ids=ids[:, :200], use_cache=True)
+        for layer in out.past_key_values.layers:  # the prefill's own k and v, each its own buffer
+            for t in (layer.keys, layer.values):
+                assert t.is_contiguous() and t.shape[-2] == 200
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
         step = model(input_ids=ids[:, 200:201], past_key_values=out.past_key_values)
     torch.testing.assert_close(step.logits[0, -1], want[0, 200], rtol=1e-4, atol=1e-4)
 

@@ -206,9 +206,12 @@ def _heads(attn: torch.nn.Module, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, 
         q, k = attn.q_norm(q), attn.k_norm(k)
     rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb  # the model's own RoPE
     q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    # left in the projections' [B, N, H, D] memory: made contiguous here, the queries cost a
-    # further copy in dense SDPA (measured, results/speed/layer_profile_*.csv)
-    return q, k, v
+    # q is left in the projections' [B, N, H, D] memory: made contiguous here, the queries cost
+    # a further copy in dense SDPA (measured, results/speed/layer_profile_*.csv). k and v are
+    # written contiguous [B, H, N, D] by this region (k by its RoPE kernel, v by one copy): a
+    # prefill's cache keeps them as they are (`_first_update`), and a view of the fused q/k/v
+    # product would keep the whole product, q included, alive in the cache.
+    return q, k.contiguous(), v.contiguous()
 
 
 def _attention_forward(
