@@ -155,6 +155,19 @@ def expert_rows(top_k_index: Tensor, num_experts: int) -> ExpertRows:
 
 
 @jit
+def _scale_offsets(rows, g, r_ok, First, Count, stride_sg, stride_sm, G, BLOCKED: tl.constexpr):
+    """Where the scale of group g of row `rows` lies (broadcast together): BLOCKED, expert x's
+    scales [G, count_x] at G * first_x, row-count-major; else g * stride_sg + row * stride_sm."""
+    rows64 = rows.to(tl.int64)
+    if BLOCKED:
+        first = tl.load(First + rows, mask=r_ok, other=0).to(tl.int64)
+        count = tl.load(Count + rows, mask=r_ok, other=0).to(tl.int64)
+        return (G - 1) * first + rows64 + g * count
+    else:
+        return g * stride_sg + rows64 * stride_sm
+
+
+@jit
 def _quant_store(
     y,
     rows,
@@ -165,25 +178,21 @@ def _quant_store(
     XS,
     First,
     Count,
-    R,
     stride_qm,
+    stride_sg,
+    stride_sm,
     G,
     BLOCKED: tl.constexpr,
     ROUND: tl.constexpr,
 ):
     """Quantise the [BLOCK_ROWS, GROUP] fp32 tile y (group pid 1) as `fp8_gemm`'s activation
-    pass does, and store it and its scales."""
+    pass does, and store it and its scales (`_scale_offsets`)."""
     s = _dynamic_scales(y)
-    rows64 = rows.to(tl.int64)
     ok = r_ok[:, None] & c_ok[None, :]
-    tl.store(XQ + rows64[:, None] * stride_qm + cols[None, :], _to_e4m3(y, s, ROUND), mask=ok)
+    q_ptrs = XQ + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :]
+    tl.store(q_ptrs, _to_e4m3(y, s, ROUND), mask=ok)
     g = tl.program_id(1)
-    if BLOCKED:  # expert x's scales: [G, count_x] at G * first_x, row-count-major
-        first = tl.load(First + rows, mask=r_ok, other=0).to(tl.int64)
-        count = tl.load(Count + rows, mask=r_ok, other=0).to(tl.int64)
-        where = (G - 1) * first + rows64 + g * count
-    else:  # group-major [G, R]
-        where = g * R + rows64
+    where = _scale_offsets(rows, g, r_ok, First, Count, stride_sg, stride_sm, G, BLOCKED)
     tl.store(XS + where, s, mask=r_ok)
 
 
@@ -226,7 +235,9 @@ def _gather_quant_kernel(
     live = src >= 0
     x_ptrs = X + src.to(tl.int64)[:, None] * stride_xm + cols[None, :]
     x = tl.load(x_ptrs, mask=live[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-    _quant_store(x, rows, cols, r_ok, c_ok, XQ, XS, First, Count, R, stride_qm, G, BLOCKED, ROUND)
+    _quant_store(
+        x, rows, cols, r_ok, c_ok, XQ, XS, First, Count, stride_qm, R, 1, G, BLOCKED, ROUND
+    )
 
 
 @jit
@@ -259,7 +270,9 @@ def _gated_quant_kernel(
     gf = gate.to(tl.float32)
     act = _rounded(gf / (1.0 + tl.exp(-gf)), gate.dtype)
     y = _rounded(act * up.to(tl.float32), gate.dtype)
-    _quant_store(y, rows, cols, r_ok, c_ok, XQ, XS, First, Count, R, stride_qm, G, BLOCKED, ROUND)
+    _quant_store(
+        y, rows, cols, r_ok, c_ok, XQ, XS, First, Count, stride_qm, R, 1, G, BLOCKED, ROUND
+    )
 
 
 def _quantised_rows(
