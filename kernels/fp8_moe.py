@@ -6,9 +6,12 @@ a new bf16 buffer, their quantisation (a second pass over that buffer), the gate
 (one more bf16 buffer) and its quantisation. `fp8_moe_experts` does the same arithmetic in four
 passes:
 
-1. `_gather_quant_kernel`: each row reads its token's hidden state and writes it quantised
-   (e4m3 and one fp32 scale per 128-wide group, the activations' format in `fp8_gemm`), so the
-   bf16 gather buffer is never written;
+1. the rows quantised, in two kernels: `_token_quant_kernel` quantises each token once (e4m3 and
+   one fp32 scale per 128-wide group, the activations' format in `fp8_gemm`), and after the N
+   tokens a zero row, the padding rows' values; `_gather_quantised_kernel` copies each row's
+   token (or the zero row) into the row layout, its K bytes and G scales. The bf16 gather buffer
+   is never written, and each token's hidden state is read once instead of once per row: at top
+   8, the rows' reads are 8 copies of K e4m3 bytes instead of 8 copies of 2 K bf16 bytes;
 2. the gate_up product of each expert's rows;
 3. `_gated_quant_kernel`: silu(gate) * up, rounded to the hidden dtype as transformers rounds it,
    then quantised for the down product (one read of the gate_up output, FP8 written);
@@ -50,7 +53,11 @@ from .moe_combine import moe_combine_ref
 from .triton_util import INTERPRET, check_triton_launch, jit, tl, triton
 
 PAD_ROWS = 4  # cuBLAS's block-scaled recipe takes row counts that are a multiple of 4
-BLOCK_ROWS = 32  # rows per program of the two quantisation passes
+BLOCK_ROWS = 32  # rows per program of the two quantisation kernels
+# Bytes one program of the row gather copies: whole rows of next_power_of_2(K) bytes (8 rows at
+# K = 2048), in GATHER_WARPS warps.
+GATHER_BYTES = 16384
+GATHER_WARPS = 4
 # cuBLAS runs the products from this many rows per expert on average. Each expert's call costs
 # the host about 50 us; at 2,048 rows per expert (a 32K-token chunk of Qwen3-30B-A3B) the calls
 # leave the GPU waiting and the block took 14.5 ms against 6.4 ms on Triton; at 8,192 rows
@@ -209,35 +216,65 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 
 @jit
-def _gather_quant_kernel(
+def _token_quant_kernel(
     X,
+    XQ,
+    XS,
+    N,
+    K,
+    stride_xm,
+    stride_qm,
+    G,
+    ROUND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    # one program: BLOCK_M of the N + 1 rows [x; 0] x one group of K, scales token-major
+    # [N + 1, G] (no First / Count: not blocked); row N quantises a zero row, what the gather
+    # copies into the padding rows
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    c_ok = cols < K
+    x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
+    x = tl.load(x_ptrs, mask=(rows < N)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+    _quant_store(x, rows, cols, rows <= N, c_ok, XQ, XS, XS, XS, stride_qm, 1, G, G, False, ROUND)
+
+
+@jit
+def _gather_quantised_kernel(
+    TQ,
+    TS,
     Src,
     XQ,
     XS,
     First,
     Count,
+    N,
     R,
     K,
-    stride_xm,
+    stride_tm,
     stride_qm,
     G,
     BLOCKED: tl.constexpr,
-    ROUND: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
 ):
-    # one program: BLOCK_M rows x one group of K; row r reads token Src[r] (-1: a zero row)
+    # one program: BLOCK_M whole rows (BLOCK_K >= K bytes); row r copies row Src[r] of the token
+    # rows TQ [N + 1, K] (e4m3 as bytes) and of their scales TS [N + 1, G], row N where Src is -1
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     r_ok = rows < R
-    c_ok = cols < K
     src = tl.load(Src + rows, mask=r_ok, other=-1)
-    live = src >= 0
-    x_ptrs = X + src.to(tl.int64)[:, None] * stride_xm + cols[None, :]
-    x = tl.load(x_ptrs, mask=live[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-    _quant_store(
-        x, rows, cols, r_ok, c_ok, XQ, XS, First, Count, stride_qm, R, 1, G, BLOCKED, ROUND
-    )
+    src = tl.where(src >= 0, src, N).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    ok = r_ok[:, None] & (cols < K)[None, :]
+    q = tl.load(TQ + src[:, None] * stride_tm + cols[None, :], mask=ok)
+    tl.store(XQ + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], q, mask=ok)
+    g = tl.arange(0, BLOCK_G)[None, :]
+    ok = r_ok[:, None] & (g < G)
+    s = tl.load(TS + src[:, None] * G + g, mask=ok)
+    where = _scale_offsets(rows[:, None], g, r_ok[:, None], First, Count, R, 1, G, BLOCKED)
+    tl.store(XS + where, s, mask=ok)
 
 
 @jit
@@ -275,33 +312,79 @@ def _gated_quant_kernel(
     )
 
 
-def _quantised_rows(
-    kernel, x: Tensor, layout: ExpertRows, width: int, blocked: bool, *extra
-) -> tuple[Tensor, Tensor]:
-    """(e4m3 rows [R, width], fp32 scales [G * R]) from one launch of a quantisation pass."""
-    r = layout.rows
-    groups = triton.cdiv(width, CUBLAS_BLOCK[1])
-    xq = torch.empty(r, width, dtype=FP8_DTYPE, device=x.device)
-    xs = torch.empty(groups * r, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(r, BLOCK_ROWS), groups)
+def token_quant(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Pass 1, first kernel: each token of x [N, K] quantised once, then a zero row: (e4m3
+    [N + 1, K], fp32 scales [N + 1, G] token-major); the values of `act_quant_ref` on [x; 0]."""
+    check_triton_launch("token_quant", x)
+    n, k = x.shape
+    groups = triton.cdiv(k, CUBLAS_BLOCK[1])
+    xq = torch.empty(n + 1, k, dtype=FP8_DTYPE, device=x.device)
+    xs = torch.empty(n + 1, groups, dtype=torch.float32, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
-    kernel[grid](
-        x, *extra, xq, xs, layout.first, layout.count, r, width, x.stride(0), xq.stride(0), groups,
-        BLOCKED=blocked, ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1], num_warps=4,
+    _token_quant_kernel[(triton.cdiv(n + 1, BLOCK_ROWS), groups)](
+        x, xq, xs, n, k, x.stride(0), xq.stride(0), groups,
+        ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1], num_warps=4,
     )  # fmt: skip
     return xq, xs
 
 
+def gather_quantised(
+    tq: Tensor, ts: Tensor, layout: ExpertRows, blocked: bool
+) -> tuple[Tensor, Tensor]:
+    """Pass 1, second kernel: row r of the layout = row src[r] of the token rows tq [N + 1, K]
+    (e4m3) and of their scales ts [N + 1, G] (row N where src is -1), a copy of bytes: (e4m3
+    [R, K], fp32 scales [G * R], blocked or group-major [G, R])."""
+    check_triton_launch("gather_quantised", tq, ts, layout.src)
+    r, (n1, k), groups = layout.rows, tq.shape, ts.shape[1]
+    xq = torch.empty(r, k, dtype=FP8_DTYPE, device=tq.device)
+    xs = torch.empty(groups * r, dtype=torch.float32, device=tq.device)
+    width = triton.next_power_of_2(k)
+    block_m = max(1, GATHER_BYTES // width)
+    _gather_quantised_kernel[(triton.cdiv(r, block_m),)](
+        tq.view(torch.uint8), ts, layout.src, xq.view(torch.uint8), xs, layout.first,
+        layout.count, n1 - 1, r, k, tq.stride(0), xq.stride(0), groups, BLOCKED=blocked,
+        BLOCK_M=block_m, BLOCK_K=width, BLOCK_G=triton.next_power_of_2(groups),
+        num_warps=GATHER_WARPS,
+    )  # fmt: skip
+    return xq, xs
+
+
+def gather_quantised_ref(
+    tq: Tensor, ts: Tensor, layout: ExpertRows, blocked: bool
+) -> tuple[Tensor, Tensor]:
+    """`gather_quantised` in PyTorch: the same bytes and scales, placed by indexing."""
+    r, groups = layout.rows, ts.shape[1]
+    src = torch.where(layout.src >= 0, layout.src, tq.shape[0] - 1).long()
+    rows = torch.arange(r, device=tq.device)
+    g = torch.arange(groups, device=tq.device)[:, None]
+    if blocked:
+        where = (groups - 1) * layout.first.long() + rows + g * layout.count.long()
+    else:
+        where = g * r + rows
+    xs = torch.empty(groups * r, dtype=torch.float32, device=tq.device)
+    xs[where] = ts[src].t()
+    return tq[src], xs
+
+
 def gather_quant(x: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, Tensor]:
-    """Pass 1: row r of the layout = x[src[r]] quantised (zeros where src is -1)."""
-    check_triton_launch("gather_quant", x, layout.src)
-    return _quantised_rows(_gather_quant_kernel, x, layout, x.shape[1], blocked, layout.src)
+    """Pass 1: row r of the layout = x[src[r]] quantised (a zero row where src is -1), as
+    `gather_quantised` of `token_quant`: quantising a row and gathering it commute exactly."""
+    return gather_quantised(*token_quant(x), layout, blocked)
 
 
 def gated_quant(h: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, Tensor]:
-    """Pass 3: silu(gate) * up of h [R, 2I] quantised, [R, I]."""
+    """Pass 3: silu(gate) * up of h [R, 2I] quantised: (e4m3 [R, I], fp32 scales [G * R])."""
     check_triton_launch("gated_quant", h, layout.ends)
-    return _quantised_rows(_gated_quant_kernel, h, layout, h.shape[1] // 2, blocked)
+    r, inter = layout.rows, h.shape[1] // 2
+    groups = triton.cdiv(inter, CUBLAS_BLOCK[1])
+    xq = torch.empty(r, inter, dtype=FP8_DTYPE, device=h.device)
+    xs = torch.empty(groups * r, dtype=torch.float32, device=h.device)
+    h = h if h.stride(1) == 1 else h.contiguous()
+    _gated_quant_kernel[(triton.cdiv(r, BLOCK_ROWS), groups)](
+        h, xq, xs, layout.first, layout.count, r, inter, h.stride(0), xq.stride(0), groups,
+        BLOCKED=blocked, ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1], num_warps=4,
+    )  # fmt: skip
+    return xq, xs
 
 
 # ------------------------------------------------------------------------------ products

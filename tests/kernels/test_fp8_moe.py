@@ -19,12 +19,18 @@ import pytest
 import torch
 from interpreter_suite import CUDA, DEVICE, kernel_test
 from rbs_bench.kernels import fp8_moe
-from rbs_bench.kernels.fp8_gemm import act_quant_ref, dequantize_weight_ref, fp8_linear_ref
+from rbs_bench.kernels.fp8_gemm import (
+    act_quant_ref,
+    dequantize_weight_ref,
+    fp8_act_quant,
+    fp8_linear_ref,
+)
 from rbs_bench.kernels.fp8_moe import (
     PAD_ROWS,
     expert_rows,
     fp8_moe_experts,
     fp8_moe_experts_ref,
+    gather_quantised_ref,
     silu_gate_ref,
 )
 from rbs_bench.kernels.triton_util import INTERPRET, triton_available
@@ -91,6 +97,27 @@ def test_expert_rows_pad_each_expert_and_invert_the_sort(n, k, experts, empty):
         first = int(ends[e - 1]) if 0 < e <= experts else (0 if e == 0 else int(ends[-1]))
         count = int(padded[e]) if e < experts else layout.rows - int(ends[-1])
         assert (int(layout.first[r]), int(layout.count[r])) == (first, count)
+
+
+def test_gather_reference_lays_scales_out_as_the_products_read_them():
+    """`gather_quantised_ref`: row r holds its token's bytes (the zero row where src is -1), and
+    its scales lie where the products read them: [G, count] per expert at G * first (the cuBLAS
+    loop's view) or group-major [G, R] (the Triton product's)."""
+    index, _ = routes(11, 3, 5, seed=4, empty=(1,))
+    layout = expert_rows(index, 5)
+    x = torch.cat([activations(11, 300, seed=3), torch.zeros(1, 300)])
+    tq, ts = act_quant_ref(x, 128)  # [N + 1, K], [N + 1, G]
+    src = torch.where(layout.src >= 0, layout.src, 11).long()
+    groups, r = ts.shape[1], layout.rows
+    for blocked in (False, True):
+        xq, xs = gather_quantised_ref(tq, ts, layout, blocked)
+        assert torch.equal(xq.view(torch.uint8), tq[src].view(torch.uint8))
+        if not blocked:
+            assert torch.equal(xs.view(groups, r), ts[src].t())
+            continue
+        for first, count in set(zip(layout.first.tolist(), layout.count.tolist())):
+            block = xs.as_strided((count, groups), (1, count), groups * first)
+            assert torch.equal(block, ts[src[first : first + count]])
 
 
 def test_reference_is_each_pair_through_its_expert():
@@ -218,6 +245,56 @@ def test_kernel_quantisation_passes_equal_act_quant():
     )  # a gate one fp16 unit apart moves its e4m3 value
 
 
+@kernel_test
+@fp8_kernel_test
+@pytest.mark.parametrize(
+    "n, k, experts, hidden, dtype, empty",
+    [
+        # R rows never a multiple of the gather's block (GATHER_BYTES // next_power_of_2(K)),
+        # token 3 (where there is one) all zeros
+        (1, 1, 3, 128, torch.float32, ()),  # one token, two empty experts, one group
+        (37, 3, 5, 200, torch.float16, (2,)),  # a partial group, K not a multiple of 16
+        (45, 8, 16, 131, torch.float32, (0, 3, 15)),  # odd K, empty first and last experts
+        (70, 4, 6, 384, torch.float16, (0, 1, 5)),  # three empty experts
+        (0, 2, 3, 256, torch.float32, ()),  # no tokens: every row is padding
+    ],
+)
+def test_kernel_pass_one_quantises_tokens_then_copies_their_bytes(
+    n, k, experts, hidden, dtype, empty
+):
+    """`token_quant` writes each token as `fp8_act_quant` does (the same kernel helpers) and a
+    zero row after them, bit for bit; `gather_quantised` copies them into the row layout exactly
+    as `gather_quantised_ref` does, in both scale layouts, padding rows included; `gather_quant`
+    is the two, and quantises each row as `act_quant_ref` quantises its token."""
+    x = activations(n, hidden, seed=n, dtype=dtype, device=DEVICE)
+    if n > 3:
+        x[3] = 0  # a zero token: the same values as a padding row
+    index, _ = routes(n, k, experts, seed=n, empty=empty, device=DEVICE)
+    layout = expert_rows(index, experts)
+    tq, ts = fp8_moe.token_quant(x)
+    zero_q, zero_s = fp8_act_quant(torch.zeros(1, hidden, dtype=dtype, device=DEVICE))
+    if n:
+        want_q, want_s = fp8_act_quant(x)
+        assert torch.equal(tq[:n].view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(ts[:n], want_s.t())
+    assert torch.equal(tq[n:].view(torch.uint8), zero_q.view(torch.uint8))
+    assert bool((tq[n].view(torch.uint8) == 0).all()) and torch.equal(ts[n:], zero_s.t())
+    live = layout.src >= 0
+    ref_q, ref_s = act_quant_ref(torch.cat([x, x.new_zeros(1, hidden)]), 128)
+    for blocked in (False, True):
+        xq, xs = fp8_moe.gather_quantised(tq, ts, layout, blocked)
+        want_q, want_s = gather_quantised_ref(tq, ts, layout, blocked)
+        assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(xs, want_s)
+        assert bool((xq[~live].view(torch.uint8) == 0).all())
+        got_q, got_s = fp8_moe.gather_quant(x, layout, blocked)
+        assert torch.equal(got_q.view(torch.uint8), xq.view(torch.uint8))
+        assert torch.equal(got_s, xs)
+        want_q, want_s = gather_quantised_ref(ref_q, ref_s, layout, blocked)
+        assert torch.equal(got_q.float(), want_q.float())  # torch's cast may round to -0
+        torch.testing.assert_close(got_s, want_s, rtol=1e-6, atol=0)
+
+
 @pytest.mark.skipif(
     INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
 )
@@ -252,6 +329,37 @@ def test_gpu_the_models_experts_on_both_backends(n, monkeypatch):
     spread = rel(ref, ref32)
     print(f"against the bf16 reference (cuBLAS 1, Triton 0): {errs}; bf16 vs fp32 {spread:.4g}")
     assert max(errs.values()) <= spread, (errs, spread)  # measured 0.27-0.49x on an H100
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
+def test_gpu_pass_one_at_128k_tokens():
+    """Pass 1 on a 128K-token chunk of Qwen3-30B-A3B (H 2048, 128 experts, top 8, bf16: a
+    million rows): `token_quant` equals `fp8_act_quant` and `gather_quantised` equals
+    `gather_quantised_ref`, bit for bit, in both scale layouts. Prints each kernel's time."""
+    from triton.testing import do_bench
+
+    n, hidden = 131072, 2048
+    x = activations(n, hidden, seed=5, dtype=torch.bfloat16, device="cuda")
+    index, _ = routes(n, 8, 128, seed=5, device="cuda")
+    layout = expert_rows(index, 128)
+    tq, ts = fp8_moe.token_quant(x)
+    want_q, want_s = fp8_act_quant(x)
+    assert torch.equal(tq[:n].view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(ts[:n], want_s.t())
+    del want_q, want_s
+    zero_q, zero_s = fp8_act_quant(x.new_zeros(1, hidden))
+    assert torch.equal(tq[n:].view(torch.uint8), zero_q.view(torch.uint8))
+    assert torch.equal(ts[n:], zero_s.t())
+    for blocked in (False, True):
+        xq, xs = fp8_moe.gather_quantised(tq, ts, layout, blocked)
+        want_q, want_s = gather_quantised_ref(tq, ts, layout, blocked)
+        assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.equal(xs, want_s)
+        del xq, xs, want_q, want_s
+    ms_quant = do_bench(lambda: fp8_moe.token_quant(x))
+    ms_gather = do_bench(lambda: fp8_moe.gather_quantised(tq, ts, layout, True))
+    print(f"pass 1 at 128K tokens: token_quant {ms_quant:.3f} ms, gather {ms_gather:.3f} ms")
 
 
 @pytest.mark.gpu
