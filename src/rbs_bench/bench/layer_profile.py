@@ -47,7 +47,9 @@ PATHS = ("eager", "compiled")
 FAMILIES = (
     ("selector", r"_rbs_|block_stats|rescue_beta|_select|_score|_prep|_estimate|_pool"),
     ("attention", r"fmha|flash|sdpa|attention|attn|_block_sparse|cudnn"),
-    ("quantise", r"quant"),  # the FP8 activation passes (kernels/fp8_gemm.py, fp8_moe.py)
+    # the FP8 activation passes, the experts' gather of quantised rows among them
+    # (kernels/fp8_gemm.py, fp8_moe.py)
+    ("quantise", r"quant"),
     ("gemm", r"^triton_tem|gemm|gemv|cutlass|nvjet|xmma|matmul|cublas|s16816|wgmma|fp8"),
     ("fused", r"^triton_"),  # inductor's generated kernels (after its GEMM templates)
     ("sort", r"sort|radix|cub::"),
