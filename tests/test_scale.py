@@ -189,3 +189,27 @@ def test_checkpoint_ttft_rows_at_full_depth_are_reported(tmp_path):
         "qwen3_30b_a3b_fp8", 131072, ffn_chunk_tokens=32768, compiled=False
     )  # a row without the compile column ran eagerly
     assert f"| {est.total / memory.GiB:.1f} |" in ttft[0]
+
+
+def test_side_sets_calibrations_are_read_with_their_name(tmp_path):
+    """`results/scale/<name>/calibration` is read beside the main calibrations, each entry with
+    its set ("" for the main records), and the report names the set beside the model."""
+    res = tmp_path / "results"
+    entry = {"target": 0.05, "knob": 3.0, "abs_error": 1e-5, "forwards": 6, "prompts": 2}
+    for root, device, seconds in [
+        (res / "calibration", "NVIDIA H100 80GB HBM3", 150.0),
+        (res / "scale" / "side_h200" / "calibration", "NVIDIA H200", 110.0),
+    ]:
+        cal = root / "qwen3_30b_a3b_fp8"
+        cal.mkdir(parents=True)
+        doc = {"model": "qwen3_30b_a3b_fp8", "method": "rbs"}
+        doc["entries"] = [{**entry, "seconds": seconds, "device": device}]
+        (cal / "rbs.yaml").write_text(yaml.safe_dump(doc))
+    cal = scale.calibration_entries(res).set_index("gpu")
+    assert cal.loc["NVIDIA H100 80GB HBM3", "set"] == ""
+    assert cal.loc["NVIDIA H200", "set"] == "side_h200"
+    assert cal.loc["NVIDIA H200", "seconds"] == 110.0
+    scale.build(res, tmp_path / "out")
+    report = (tmp_path / "out" / "nvidia_h200.md").read_text()
+    assert "| qwen3_30b_a3b_fp8 (side_h200) | RBS-Attention |" in report
+    assert "side_h200" not in (tmp_path / "out" / "nvidia_h100_80gb_hbm3.md").read_text()

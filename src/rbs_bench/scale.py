@@ -35,6 +35,7 @@ import yaml
 from rbs_bench import paths
 from rbs_bench.errors import one_line, stop_on_signals
 from rbs_bench.paths import (
+    CALIBRATION,
     RUNS,
     calibration_dir,
     paper_values_file,
@@ -240,8 +241,14 @@ def _runs_section(cells: pd.DataFrame) -> list[str]:
 
 
 def calibration_entries(results: Path) -> pd.DataFrame:
+    """Every calibration entry that names its GPU and seconds: of `<results>/calibration` and of
+    the side results directories `<results>/scale/<name>/calibration` (like `run_cells`, their
+    `set` is the name; "" for the main records)."""
     rows = []
-    for path in sorted(calibration_dir(results).glob("*/*.yaml")):
+    roots = [(calibration_dir(results), "")]
+    roots += [(p, p.parent.name) for p in sorted(scale_dir(results).glob(f"*/{CALIBRATION}"))]
+    files = [(path, name) for root, name in roots for path in sorted(root.glob("*/*.yaml"))]
+    for path, name in files:
         try:
             doc = yaml.safe_load(paths.read_text(path)) or {}  # a regular file, never a FIFO
         except yaml.YAMLError:
@@ -263,6 +270,7 @@ def calibration_entries(results: Path) -> pd.DataFrame:
                     "gpus": int(e.get("gpus") or 1),
                     "abs_error": float(e.get("abs_error") or 0.0),
                     "date": str(e.get("date") or ""),
+                    "set": name,
                     "source": str(path),
                 }
             )
@@ -297,7 +305,8 @@ def _calibration_section(cal: pd.DataFrame, paper: dict) -> list[str]:
         gpu_h = c["seconds"] * c["gpus"] / 3600
         scaled = gpu_h / c["prompts"] * PAPER_PROMPTS if c["prompts"] else None
         out.append(
-            f"| {c['model']} | {name} | {c['target']:.3f} | {_num(c['context'], ',')} | "
+            f"| {c['model']}{f' ({s})' if (s := c.get('set')) else ''} | {name} | "
+            f"{c['target']:.3f} | {_num(c['context'], ',')} | "
             f"{c['prompts']} | {c['forwards']} | {c['seconds']:.1f} | {gpu_h:.4f} | "
             f"{_num(scaled, '.3f')} | {p.get('Configurations', '–')} | "
             f"{p.get('GPU-hours', '–')} | {100 * c['abs_error']:.4f} | "

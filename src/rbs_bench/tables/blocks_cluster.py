@@ -34,6 +34,7 @@ from rbs_bench.tables.paper import PaperValues
 GiB = 1024  # MiB per GiB: the records and CSVs keep MiB
 REHEARSAL = "qwen3_30b_a3b_random"  # the 48-layer rehearsal model
 PAPER_PROMPTS = 50  # Table 11 calibrates on 50 prompts
+TABLE11_H200 = "table11_h200_fp8"  # the FP8 checkpoint's Table 11 set on one H200 (results/scale)
 CHECKPOINT_RE = re.compile(r"^\S+: (\S+), (\d+) tensors in (\d+) file\(s\), ([\d.]+) GiB$")
 
 
@@ -123,11 +124,19 @@ def calibration_cost_h100_fp8(src: Sources) -> str:
     return _calibration_cost(src, "NVIDIA H100 80GB HBM3", "qwen3_30b_a3b_fp8")
 
 
-def _calibration_cost(src: Sources, gpu: str, model: str) -> str:
-    """Each method's calibration of `model` on `gpu`: seconds, forwards, seconds per forward and
-    GPU-hours scaled to the paper's 50 prompts (one knob, one target), beside Table 11."""
+@block("calibration_cost_h200_fp8")
+def calibration_cost_h200_fp8(src: Sources) -> str:
+    """The FP8 checkpoint's calibrations on one H200, the side set `results/scale/table11_h200_fp8`
+    (its ruler_budget cells are in `full_size_runs`)."""
+    return _calibration_cost(src, "NVIDIA H200", "qwen3_30b_a3b_fp8", TABLE11_H200)
+
+
+def _calibration_cost(src: Sources, gpu: str, model: str, side: str = "") -> str:
+    """Each method's calibration of `model` on `gpu` (in the side results set `side`; "": the
+    main records): seconds, forwards, seconds per forward and GPU-hours scaled to the paper's 50
+    prompts (one knob, one target), beside Table 11."""
     cal = calibration_entries(src.results)
-    cal = cal[(cal["gpu"] == gpu) & (cal["model"] == model)]
+    cal = cal[(cal["gpu"] == gpu) & (cal["model"] == model) & (cal["set"] == side)]
     pv = PaperValues.load(paths.paper_values_file(src.results))
     paper = {}
     for (table, row, column), cell in pv.cells.items():
@@ -199,18 +208,20 @@ def full_size_runs(src: Sources) -> str:
         if model in checkpoints:
             rows.append([model, "write", checkpoints[model][0], ""])
             files.append(checkpoints[model][1])
-        for gpu, grp in cal[cal["model"] == model].groupby("gpu"):
+        for (gpu, side), grp in cal[cal["model"] == model].groupby(["gpu", "set"]):
             n = int(grp["gpus"].max())
-            rows.append([model, f"calibrate, {n} {gpu}", _calibrated(src, grp), ""])
+            step = f"calibrate, {n} {gpu}" + (f" ({side})" if side else "")
+            rows.append([model, step, _calibrated(src, grp), ""])
             files += list(grp["source"])
         mine = cells[cells["model"] == model]
-        for (gpu, n_gpus), grp in mine.groupby(["gpu", "gpus"]):
+        for (gpu, n_gpus, exp), grp in mine.groupby(["gpu", "gpus", "experiment"]):
+            side = exp.partition(" (")[2].rstrip(")")  # a side set's cells (`scale.run_cells`)
             peak = f"{_gib(grp['peak_allocated_mib'].max())} (busiest GPU)"
             visual = int(grp["visual_tokens"].max()) or None
             tokens = int(grp["tokens"].max())
             est = _estimate(model, 32768, 1, int(n_gpus), tokens, visual_tokens=visual)
-            rows.append([model, f"run, per sample, {n_gpus} {gpu}", _per_sample(grp),
-                         f"{peak} / {est}"])  # fmt: skip
+            step = f"run, per sample, {n_gpus} {gpu}" + (f" ({side})" if side else "")
+            rows.append([model, step, _per_sample(grp), f"{peak} / {est}"])
             files += list(grp["source"])
     for gpu_tag in ("nvidia_h100_80gb_hbm3",):
         path = src.results / "speed" / f"ttft_{gpu_tag}.csv"
