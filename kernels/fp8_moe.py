@@ -54,6 +54,7 @@ from .triton_util import INTERPRET, check_triton_launch, jit, tl, triton
 
 PAD_ROWS = 4  # cuBLAS's block-scaled recipe takes row counts that are a multiple of 4
 BLOCK_ROWS = 32  # rows per program of the two quantisation kernels
+QUANT_WARPS = 4  # their warps per program
 # Bytes one program of the row gather copies: whole rows of next_power_of_2(K) bytes (8 rows at
 # K = 2048), in GATHER_WARPS warps.
 GATHER_BYTES = 16384
@@ -323,7 +324,7 @@ def token_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     x = x if x.stride(1) == 1 else x.contiguous()
     _token_quant_kernel[(triton.cdiv(n + 1, BLOCK_ROWS), groups)](
         x, xq, xs, n, k, x.stride(0), xq.stride(0), groups,
-        ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1], num_warps=4,
+        ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1], num_warps=QUANT_WARPS,
     )  # fmt: skip
     return xq, xs
 
@@ -382,7 +383,8 @@ def gated_quant(h: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, T
     h = h if h.stride(1) == 1 else h.contiguous()
     _gated_quant_kernel[(triton.cdiv(r, BLOCK_ROWS), groups)](
         h, xq, xs, layout.first, layout.count, r, inter, h.stride(0), xq.stride(0), groups,
-        BLOCKED=blocked, ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1], num_warps=4,
+        BLOCKED=blocked, ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1],
+        num_warps=QUANT_WARPS,
     )  # fmt: skip
     return xq, xs
 

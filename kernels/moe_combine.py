@@ -24,6 +24,12 @@ from torch import Tensor
 
 from .triton_util import check_triton_launch, jit, tl, triton
 
+# One program sums COMBINE_TOKENS tokens x COMBINE_WIDTH hidden columns in COMBINE_WARPS warps
+# (`bench.moe_passes` times other settings against these).
+COMBINE_TOKENS = 16
+COMBINE_WIDTH = 512
+COMBINE_WARPS = 4
+
 
 def _check(y: Tensor, pos: Tensor, w: Tensor) -> None:
     if y.dim() != 2 or pos.dim() != 2 or w.shape != pos.shape:
@@ -87,11 +93,11 @@ def _launch(y: Tensor, pos: Tensor, w: Tensor) -> Tensor:
     out = y.new_empty(n, hidden)
     if n == 0:
         return out
-    block_t, block_h = 16, min(512, triton.next_power_of_2(hidden))
-    grid = (triton.cdiv(n, block_t), triton.cdiv(hidden, block_h))
+    block_h = min(COMBINE_WIDTH, triton.next_power_of_2(hidden))
+    grid = (triton.cdiv(n, COMBINE_TOKENS), triton.cdiv(hidden, block_h))
     _moe_combine_kernel[grid](
         y, pos, w, out, n, hidden, y.stride(0), out.stride(0),
-        TOP_K=k, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=4,
+        TOP_K=k, BLOCK_T=COMBINE_TOKENS, BLOCK_H=block_h, num_warps=COMBINE_WARPS,
     )  # fmt: skip
     return out
 
