@@ -113,16 +113,24 @@ def _gib(mib) -> str:
 # ---- run records --------------------------------------------------------------------------------
 
 
+def _roots(main: Path, results: Path, sub: str) -> list[tuple[Path, str]]:
+    """(folder, set) of the main records' `main` folder (set "") and of each side results
+    directory's `<results>/scale/<name>/<sub>` (set `name`)."""
+    side = sorted(scale_dir(results).glob(f"*/{sub}"))
+    return [(main, "")] + [(p, p.parent.name) for p in side]
+
+
 def run_cells(results: Path) -> pd.DataFrame:
     """One row per (gpu, experiment, model, method, budget, context) over every record that names
     its GPU: the runs of `<results>/runs`, and of side results directories `<results>/scale/<name>`
-    (their experiment labelled with the name, e.g. "ruler_budget (recall_128k)")."""
+    (their `set` is the name, "" for the main runs, and their experiment is labelled with it, e.g.
+    "ruler_budget (recall_128k)")."""
     rows = []
-    roots = [(runs_dir(results), "")]
-    roots += [(p, f" ({p.parent.name})") for p in sorted(scale_dir(results).glob(f"*/{RUNS}"))]
-    paths = [(p, tag) for root, tag in roots for p in sorted(root.glob("*/*/*/*/records.jsonl"))]
-    for path, tag in paths:
-        experiment, model = path.parts[-5] + tag, path.parts[-4]
+    roots = _roots(runs_dir(results), results, RUNS)
+    paths = [(p, name) for root, name in roots for p in sorted(root.glob("*/*/*/*/records.jsonl"))]
+    for path, name in paths:
+        experiment = path.parts[-5] + (f" ({name})" if name else "")
+        model = path.parts[-4]
         by_context: dict[tuple, list] = {}
         for r in read_cell(path):
             if not r.get("gpu"):
@@ -138,6 +146,7 @@ def run_cells(results: Path) -> pd.DataFrame:
             rows.append(
                 {
                     "gpu": gpu,
+                    "set": name,
                     "experiment": experiment,
                     "model": model,
                     "method": recs[0]["method"],
@@ -245,8 +254,7 @@ def calibration_entries(results: Path) -> pd.DataFrame:
     the side results directories `<results>/scale/<name>/calibration` (like `run_cells`, their
     `set` is the name; "" for the main records)."""
     rows = []
-    roots = [(calibration_dir(results), "")]
-    roots += [(p, p.parent.name) for p in sorted(scale_dir(results).glob(f"*/{CALIBRATION}"))]
+    roots = _roots(calibration_dir(results), results, CALIBRATION)
     files = [(path, name) for root, name in roots for path in sorted(root.glob("*/*.yaml"))]
     for path, name in files:
         try:

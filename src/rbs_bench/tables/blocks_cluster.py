@@ -214,8 +214,7 @@ def full_size_runs(src: Sources) -> str:
             rows.append([model, step, _calibrated(src, grp), ""])
             files += list(grp["source"])
         mine = cells[cells["model"] == model]
-        for (gpu, n_gpus, exp), grp in mine.groupby(["gpu", "gpus", "experiment"]):
-            side = exp.partition(" (")[2].rstrip(")")  # a side set's cells (`scale.run_cells`)
+        for (gpu, n_gpus, side), grp in mine.groupby(["gpu", "gpus", "set"]):
             peak = f"{_gib(grp['peak_allocated_mib'].max())} (busiest GPU)"
             visual = int(grp["visual_tokens"].max()) or None
             tokens = int(grp["tokens"].max())
