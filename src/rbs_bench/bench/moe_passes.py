@@ -22,13 +22,12 @@ import argparse
 import contextlib
 import csv
 import itertools
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
+from rbs_bench.bench.roofline import timed_ms
 from rbs_bench.paths import speed_dir
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -97,26 +96,6 @@ def runner(name: str, a: dict):
     return (lambda: moe_combine._launch(a["y"], a["layout"].pos, a["w"])), moved
 
 
-def timed_ms(fn, device, repeats: int) -> float:
-    """Median milliseconds of fn() over `repeats` calls after two warm-up calls."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _same(got, want) -> bool:
     """Exactly the same bytes (e4m3 compared as bytes)."""
     got, want = (got,) if torch.is_tensor(got) else got, (want,) if torch.is_tensor(want) else want
@@ -143,7 +122,7 @@ def sweep(tokens: int, device, repeats: int, only: list[str] | None = None) -> l
             with settings(module, values):
                 out = fn()
                 want = out if want is None else want
-                ms = timed_ms(fn, device, repeats)
+                ms = timed_ms(fn, repeats=repeats, cuda=device.type == "cuda")
             base_ms = ms if base_ms is None else base_ms
             rows.append({
                 "gpu": gpu, "tokens": tokens, "pass": name,

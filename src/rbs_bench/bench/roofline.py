@@ -9,22 +9,29 @@ with CUDA events. `bench.layer_profile` sets a layer's kernel families beside it
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
 
-def _timed(fn, warmup: int = 2, repeats: int = 5) -> float:
-    """Median milliseconds of fn() (CUDA events)."""
+def timed_ms(fn, warmup: int = 2, repeats: int = 5, cuda: bool = True) -> float:
+    """Median milliseconds of fn() after `warmup` calls: CUDA events, or `perf_counter` where
+    `cuda` is False (a CPU run)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
 
@@ -38,7 +45,7 @@ def gemm_reference_ms(layer: torch.nn.Module, n: int) -> tuple[float, dict]:
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             lin = getattr(attn, name)
             x = torch.randn(n, lin.in_features, device=w.device, dtype=dtype)
-            parts[name] = _timed(lambda lin=lin, x=x: lin(x))
+            parts[name] = timed_ms(lambda lin=lin, x=x: lin(x))
         experts = getattr(mlp, "experts", None)
         if experts is not None and hasattr(experts, "gate_up_proj"):
             parts.update(_expert_gemms(mlp, n, dtype))
@@ -46,7 +53,7 @@ def gemm_reference_ms(layer: torch.nn.Module, n: int) -> tuple[float, dict]:
             for name in ("gate_proj", "up_proj", "down_proj"):
                 lin = getattr(mlp, name)
                 x = torch.randn(n, lin.in_features, device=w.device, dtype=dtype)
-                parts[name] = _timed(lambda lin=lin, x=x: lin(x))
+                parts[name] = timed_ms(lambda lin=lin, x=x: lin(x))
     return sum(parts.values()), parts
 
 
@@ -65,23 +72,23 @@ def _expert_gemms(mlp: torch.nn.Module, n: int, dtype) -> dict:
     h = torch.randn(rows, inter, device=dev, dtype=dtype)
     router = torch.randn(n, hidden, device=dev, dtype=dtype)
     gate_w = mlp.gate.weight
-    out = {"router": _timed(lambda: torch.nn.functional.linear(router, gate_w.to(dtype)))}
+    out = {"router": timed_ms(lambda: torch.nn.functional.linear(router, gate_w.to(dtype)))}
     if experts.gate_up_proj.dtype.itemsize == 1:  # FP8 experts: the kernel transformers calls
         from transformers.integrations import finegrained_fp8
 
         fp8 = finegrained_fp8.load_finegrained_fp8_kernel()
         kw = {"offsets": offs, "tokens_per_expert": counts, "block_size": experts.block_size}
-        out["experts_gate_up"] = _timed(
+        out["experts_gate_up"] = timed_ms(
             lambda: fp8.grouped_matmul(
                 x, experts.gate_up_proj, experts.gate_up_proj_scale_inv, **kw
             )
         )
-        out["experts_down"] = _timed(
+        out["experts_down"] = timed_ms(
             lambda: fp8.grouped_matmul(h, experts.down_proj, experts.down_proj_scale_inv, **kw)
         )
         return out
     mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
     gate_up, down = experts.gate_up_proj, experts.down_proj  # [E, 2I, H], [E, H, I]
-    out["experts_gate_up"] = _timed(lambda: mm(x, gate_up.transpose(-2, -1), offs=offs))
-    out["experts_down"] = _timed(lambda: mm(h, down.transpose(-2, -1), offs=offs))
+    out["experts_gate_up"] = timed_ms(lambda: mm(x, gate_up.transpose(-2, -1), offs=offs))
+    out["experts_down"] = timed_ms(lambda: mm(h, down.transpose(-2, -1), offs=offs))
     return out
