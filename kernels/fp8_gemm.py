@@ -285,6 +285,7 @@ def _act_quant_kernel(
     XS,
     ActScale,
     M,
+    M_LOAD,
     K,
     stride_xm,
     stride_xk,
@@ -297,13 +298,16 @@ def _act_quant_kernel(
     BLOCK_M: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    # one program: BLOCK_M rows x one group of K; scales stored group-major [groups, M]
+    # one program: BLOCK_M of the M rows x one group of K, scales at g * stride_sg + row *
+    # stride_sm; rows at and past M_LOAD (<= M) quantise zeros
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     r_ok = rows < M
-    ok = r_ok[:, None] & (cols < K)[None, :]
+    c_ok = (cols < K)[None, :]
+    ok = r_ok[:, None] & c_ok
     rows64 = rows.to(tl.int64)
-    x = tl.load(X + rows64[:, None] * stride_xm + cols[None, :] * stride_xk, mask=ok, other=0.0)
+    x_ptrs = X + rows64[:, None] * stride_xm + cols[None, :] * stride_xk
+    x = tl.load(x_ptrs, mask=(rows < M_LOAD)[:, None] & c_ok, other=0.0)
     x = x.to(tl.float32)
     if STATIC:
         s = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(ActScale)
@@ -510,6 +514,7 @@ def fp8_act_quant(
         xq,
         xs,
         scale,
+        m,
         m,
         k,
         *x.stride(),

@@ -6,8 +6,8 @@ a new bf16 buffer, their quantisation (a second pass over that buffer), the gate
 (one more bf16 buffer) and its quantisation. `fp8_moe_experts` does the same arithmetic in four
 passes:
 
-1. the rows quantised, in two kernels: `_token_quant_kernel` quantises each token once (e4m3 and
-   one fp32 scale per 128-wide group, the activations' format in `fp8_gemm`), and after the N
+1. the rows quantised, in two kernels: `token_quant` quantises each token once with
+   `fp8_gemm`'s activation kernel (e4m3 and one fp32 scale per 128-wide group), and after the N
    tokens a zero row, the padding rows' values; `_gather_quantised_kernel` copies each row's
    token (or the zero row) into the row layout, its K bytes and G scales. The bf16 gather buffer
    is never written, and each token's hidden state is read once instead of once per row: at top
@@ -217,31 +217,6 @@ def _rounded(x, DTYPE: tl.constexpr):
 
 
 @jit
-def _token_quant_kernel(
-    X,
-    XQ,
-    XS,
-    N,
-    K,
-    stride_xm,
-    stride_qm,
-    G,
-    ROUND: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    GROUP: tl.constexpr,
-):
-    # one program: BLOCK_M of the N + 1 rows [x; 0] x one group of K, scales token-major
-    # [N + 1, G] (no First / Count: not blocked); row N quantises a zero row, what the gather
-    # copies into the padding rows
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
-    c_ok = cols < K
-    x_ptrs = X + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :]
-    x = tl.load(x_ptrs, mask=(rows < N)[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
-    _quant_store(x, rows, cols, rows <= N, c_ok, XQ, XS, XS, XS, stride_qm, 1, G, G, False, ROUND)
-
-
-@jit
 def _gather_quantised_kernel(
     TQ,
     TS,
@@ -321,10 +296,11 @@ def token_quant(x: Tensor) -> tuple[Tensor, Tensor]:
     groups = triton.cdiv(k, CUBLAS_BLOCK[1])
     xq = torch.empty(n + 1, k, dtype=FP8_DTYPE, device=x.device)
     xs = torch.empty(n + 1, groups, dtype=torch.float32, device=x.device)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    _token_quant_kernel[(triton.cdiv(n + 1, BLOCK_ROWS), groups)](
-        x, xq, xs, n, k, x.stride(0), xq.stride(0), groups,
-        ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1], num_warps=QUANT_WARPS,
+    # fp8_gemm's activation pass over n + 1 rows, the last loaded as zeros, scales token-major
+    fp8_gemm._act_quant_kernel[(triton.cdiv(n + 1, BLOCK_ROWS), groups)](
+        x, xq, xs, xs, n + 1, n, k, *x.stride(), *xq.stride(), xs.stride(1), xs.stride(0),
+        STATIC=False, ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1],
+        num_warps=QUANT_WARPS,
     )  # fmt: skip
     return xq, xs
 

@@ -262,7 +262,7 @@ def test_kernel_quantisation_passes_equal_act_quant():
 def test_kernel_pass_one_quantises_tokens_then_copies_their_bytes(
     n, k, experts, hidden, dtype, empty
 ):
-    """`token_quant` writes each token as `fp8_act_quant` does (the same kernel helpers) and a
+    """`token_quant` writes each token as `fp8_act_quant` does (the same kernel, token-major) and a
     zero row after them, bit for bit; `gather_quantised` copies them into the row layout exactly
     as `gather_quantised_ref` does, in both scale layouts, padding rows included; `gather_quant`
     is the two, and quantises each row as `act_quant_ref` quantises its token."""
