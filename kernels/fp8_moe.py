@@ -53,8 +53,11 @@ from .moe_combine import moe_combine_ref
 from .triton_util import INTERPRET, check_triton_launch, jit, tl, triton
 
 PAD_ROWS = 4  # cuBLAS's block-scaled recipe takes row counts that are a multiple of 4
-BLOCK_ROWS = 32  # rows per program of the two quantisation kernels
-QUANT_WARPS = 4  # their warps per program
+# Rows and warps per program of the two quantisation passes (`bench.moe_passes` times others).
+BLOCK_ROWS = 32  # token_quant
+QUANT_WARPS = 4
+GATED_ROWS = 32  # gated_quant
+GATED_WARPS = 4
 # Bytes one program of the row gather copies: whole rows of next_power_of_2(K) bytes (8 rows at
 # K = 2048), in GATHER_WARPS warps.
 GATHER_BYTES = 16384
@@ -357,10 +360,10 @@ def gated_quant(h: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, T
     xq = torch.empty(r, inter, dtype=FP8_DTYPE, device=h.device)
     xs = torch.empty(groups * r, dtype=torch.float32, device=h.device)
     h = h if h.stride(1) == 1 else h.contiguous()
-    _gated_quant_kernel[(triton.cdiv(r, BLOCK_ROWS), groups)](
+    _gated_quant_kernel[(triton.cdiv(r, GATED_ROWS), groups)](
         h, xq, xs, layout.first, layout.count, r, inter, h.stride(0), xq.stride(0), groups,
-        BLOCKED=blocked, ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1],
-        num_warps=QUANT_WARPS,
+        BLOCKED=blocked, ROUND=INTERPRET, BLOCK_M=GATED_ROWS, GROUP=CUBLAS_BLOCK[1],
+        num_warps=GATED_WARPS,
     )  # fmt: skip
     return xq, xs
 

@@ -34,10 +34,18 @@ HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 
 # (pass, module, {setting: values}); the first value of each setting is the kernels' default
 GRID = [
-    ("token_quant", "fp8_moe", {"BLOCK_ROWS": [32, 16, 64], "QUANT_WARPS": [4, 8]}),
-    ("gather", "fp8_moe", {"GATHER_BYTES": [16384, 8192, 32768], "GATHER_WARPS": [4, 8]}),
-    ("gated_quant", "fp8_moe", {"BLOCK_ROWS": [32, 16, 64], "QUANT_WARPS": [4, 8]}),
-    ("combine", "moe_combine", {"COMBINE_TOKENS": [16, 8, 32], "COMBINE_WARPS": [4, 8]}),
+    ("token_quant", "fp8_moe", {"BLOCK_ROWS": [32, 16, 64, 128], "QUANT_WARPS": [4, 8, 2]}),
+    ("gather", "fp8_moe", {"GATHER_BYTES": [16384, 4096, 8192, 32768], "GATHER_WARPS": [4, 8, 2]}),
+    ("gated_quant", "fp8_moe", {"GATED_ROWS": [32, 16, 64, 128], "GATED_WARPS": [4, 8, 2]}),
+    (
+        "combine",
+        "moe_combine",
+        {
+            "COMBINE_TOKENS": [16, 8, 32, 64],
+            "COMBINE_WIDTH": [512, 256, 1024, 2048],
+            "COMBINE_WARPS": [4, 8],
+        },
+    ),
 ]
 
 
