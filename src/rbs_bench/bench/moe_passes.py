@@ -34,18 +34,18 @@ HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 
 # (pass, module, {setting: values}); the first value of each setting is the kernels' default
 GRID = [
-    ("token_quant", "fp8_moe", {"BLOCK_ROWS": [32, 16, 64, 128], "QUANT_WARPS": [4, 8, 2]}),
-    ("gather", "fp8_moe", {"GATHER_BYTES": [16384, 4096, 8192, 32768], "GATHER_WARPS": [4, 8, 2]}),
-    ("gated_quant", "fp8_moe", {"GATED_ROWS": [32, 16, 64, 128], "GATED_WARPS": [4, 8, 2]}),
+    ("gated_quant", "fp8_moe", {"GATED_ROWS": [32, 16, 64, 128], "GATED_WARPS": [4, 8]}),
     (
         "combine",
         "moe_combine",
         {
-            "COMBINE_TOKENS": [16, 8, 32, 64],
-            "COMBINE_WIDTH": [512, 256, 1024, 2048],
+            "COMBINE_TOKENS": [16, 8, 32],
+            "COMBINE_WIDTH": [512, 1024, 2048],
             "COMBINE_WARPS": [4, 8],
         },
     ),
+    ("gather", "fp8_moe", {"GATHER_BYTES": [16384, 8192, 32768], "GATHER_WARPS": [4, 8]}),
+    ("token_quant", "fp8_moe", {"BLOCK_ROWS": [32, 16, 64], "QUANT_WARPS": [4, 8]}),
 ]
 
 
@@ -111,14 +111,14 @@ def _same(got, want) -> bool:
     return all(torch.equal(view(g), view(w)) for g, w in zip(got, want, strict=True))
 
 
-def sweep(tokens: int, device, repeats: int, only: list[str] | None = None) -> list[dict]:
-    """One row per pass and setting of `GRID` (the default setting first)."""
+def sweep(tokens: int, device, repeats: int, only: list[str] | None = None):
+    """One row per pass and setting of `GRID` (the default setting first), yielded as each is
+    timed (every setting compiles its own kernel, a second or two on a GPU)."""
     from rbs_bench.kernels import fp8_moe, moe_combine
 
     modules = {"fp8_moe": fp8_moe, "moe_combine": moe_combine}
     a = inputs(tokens, device)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    rows = []
     for name, module_name, grid in GRID:
         if only and name not in only:
             continue
@@ -132,15 +132,14 @@ def sweep(tokens: int, device, repeats: int, only: list[str] | None = None) -> l
                 want = out if want is None else want
                 ms = timed_ms(fn, repeats=repeats, cuda=device.type == "cuda")
             base_ms = ms if base_ms is None else base_ms
-            rows.append({
+            yield {
                 "gpu": gpu, "tokens": tokens, "pass": name,
                 "setting": " ".join(f"{k}={v}" for k, v in values.items()),
                 "default": point == tuple(v[0] for v in grid.values()),
                 "ms": round(ms, 4), "gb_per_s": round(moved / ms / 1e6, 1),
                 "x_default": round(ms / base_ms, 3), "same_bytes": _same(out, want),
                 "bytes_moved": moved,
-            })  # fmt: skip
-    return rows
+            }  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,21 +158,36 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from rbs_bench.scale import gpu_slug
 
-    rows = sweep(args.tokens, device, args.repeats, args.passes)
-    slug = gpu_slug(rows[0]["gpu"])
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"moe_passes_{slug}.csv"
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    print("pass | setting | ms | GB/s | x default | same bytes")
-    for r in rows:
-        print(f"{r['pass']} | {r['setting']} | {r['ms']:.3f} | {r['gb_per_s']:.0f} | "
-              f"{r['x_default']:.2f} | {r['same_bytes']}")  # fmt: skip
+    path = args.out / f"moe_passes_{gpu_slug(gpu)}.csv"
+    print("pass | setting | ms | GB/s | x default | same bytes", flush=True)
+    ok = True
+    with path.open("w", newline="") as f:  # each row written as it is timed
+        w = None
+        for r in sweep(args.tokens, device, args.repeats, args.passes):
+            if w is None:
+                w = csv.DictWriter(f, fieldnames=list(r))
+                w.writeheader()
+            w.writerow(r)
+            f.flush()
+            ok &= r["same_bytes"]
+            print(f"{r['pass']} | {r['setting']} | {r['ms']:.3f} | {r['gb_per_s']:.0f} | "
+                  f"{r['x_default']:.2f} | {r['same_bytes']}", flush=True)  # fmt: skip
+    for name, best in best_settings(path).items():
+        print(f"fastest {name}: {best}")
     print(f"wrote {path}")
-    return 0 if all(r["same_bytes"] for r in rows) else 1
+    return 0 if ok else 1
 
+
+def best_settings(path: Path) -> dict[str, str]:
+    """Each pass's fastest setting in a CSV of this script, with its time against the default."""
+    best: dict[str, dict] = {}
+    with path.open() as f:
+        for r in csv.DictReader(f):
+            if r["pass"] not in best or float(r["ms"]) < float(best[r["pass"]]["ms"]):
+                best[r["pass"]] = r
+    return {k: f"{r['setting']} ({r['ms']} ms, {r['x_default']}x default)" for k, r in best.items()}
 
 if __name__ == "__main__":
     sys.exit(main())
