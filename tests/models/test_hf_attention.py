@@ -253,3 +253,39 @@ def test_the_hook_refuses_queries_whose_scores_overflow_float32():
     k[0, 0, 5, 1] = float("nan")
     with pytest.raises(FloatingPointError, match="NaN/Inf in layer 7"):
         _check_finite(q, k, 7, PrefillRecorder())
+
+
+class _FakeEvent:
+    """A CUDA event's interface on a CPU: its time is the order it was recorded in (ms)."""
+
+    recorded = 0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        _FakeEvent.recorded += 1
+        self.at = float(_FakeEvent.recorded)
+
+    def synchronize(self):
+        assert self.at is not None
+
+    def elapsed_time(self, end):
+        return end.at - self.at
+
+
+def test_event_marks_give_seconds_only_when_read(monkeypatch):
+    """On a GPU a region's seconds lie between two events and are read in `summary()`; they add
+    up over regions and batch rows like floats (`_sparse_padded` sums them from 0.0)."""
+    monkeypatch.setattr(hf_attention.torch.cuda, "Event", _FakeEvent)
+    t0, t1, t2 = hf_attention._Mark(), hf_attention._Mark(), hf_attention._Mark()
+    sel, attn = t1 - t0, t2 - t1
+    assert isinstance(sel, hf_attention._Elapsed)
+    assert float(0.0 + sel + (t2 - t0)) == pytest.approx((1 + 2) / 1e3)
+    rec = hf_attention.PrefillRecorder()
+    rec.record(0, torch.ones(2), sel, attn)
+    rec.record(1, torch.ones(2), 0.0, t2 - t0)  # the dense branch records 0.0 selector seconds
+    s = rec.summary()
+    assert s["selector_s"] == pytest.approx(1e-3) and s["attention_s"] == pytest.approx(3e-3)
+    assert isinstance(s["selector_s"], float) and float(hf_attention._Elapsed([])) == 0.0

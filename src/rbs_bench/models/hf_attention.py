@@ -32,13 +32,52 @@ _STATE = "_rbs_state"  # attribute on each attention module
 _PREV_IMPL = "_rbs_prev_attn_impl"  # attribute on the model, restored by uninstall()
 
 
+class _Elapsed:
+    """Seconds between pairs of CUDA events, summed, read when converted with float() (after the
+    forward, in `PrefillRecorder.summary`): timing a region adds no synchronisation to it."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs):
+        self.pairs = list(pairs)
+
+    def __add__(self, other):
+        if isinstance(other, _Elapsed):
+            return _Elapsed(self.pairs + other.pairs)
+        return self if other == 0 else NotImplemented
+
+    __radd__ = __add__
+
+    def __float__(self) -> float:
+        if not self.pairs:
+            return 0.0
+        self.pairs[-1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.pairs) / 1e3
+
+
+class _Mark:
+    """A CUDA event recorded on the current stream; `later - earlier` is their `_Elapsed`."""
+
+    __slots__ = ("event",)
+
+    def __init__(self):
+        self.event = torch.cuda.Event(enable_timing=True)
+        self.event.record()
+
+    def __sub__(self, earlier: _Mark) -> _Elapsed:
+        return _Elapsed([(earlier.event, self.event)])
+
+
+Seconds = float | _Elapsed  # a region's seconds: now (perf_counter) or after the forward
+
+
 @dataclass
 class _LayerRecord:
     density: Tensor  # float [Hq], mean over the batch; left on the device until summary()
-    selector_s: float
-    attention_s: float
+    selector_s: Seconds
+    attention_s: Seconds
     recall: Tensor | None = None  # float [Hq], mean over the batch (with `recall` only)
-    recall_s: float = 0.0  # seconds of the recall pass (inside the forward, outside the others)
+    recall_s: Seconds = 0.0  # seconds of the recall pass (inside the forward, outside the others)
 
 
 @dataclass
@@ -46,8 +85,10 @@ class PrefillRecorder:
     """Per-layer density and timings of the latest prefill forward.
 
     A layer recorded a second time means a new forward has begun, so the previous one is dropped;
-    call `reset()` before each sample anyway. With `timing` (default) CUDA is synchronised around
-    the timed regions, which makes the seconds real but costs the overlap of host and device.
+    call `reset()` before each sample anyway. With `timing` (default) each timed region on a GPU
+    lies between two CUDA events, read in `summary()` once the forward is done, so the seconds
+    are the device's and the forward runs without synchronisation (the host keeps queueing the
+    next layers' kernels, as an engine does); on a CPU they are `perf_counter` seconds.
     """
 
     timing: bool = True
@@ -62,19 +103,22 @@ class PrefillRecorder:
         self.layers.clear()
         self._pending.clear()
 
-    def clock(self, like: Tensor) -> float:
+    def clock(self, like: Tensor) -> float | _Mark:
+        """A point in time: a CUDA event on `like`'s device (with `timing`), else perf_counter.
+        `later - earlier` gives a region's seconds either way."""
         if self.timing and like.is_cuda:
-            torch.cuda.synchronize(like.device)
+            with torch.cuda.device(like.device):
+                return _Mark()
         return time.perf_counter()
 
     def record(
         self,
         layer: int,
         density: Tensor,
-        selector_s: float,
-        attention_s: float,
+        selector_s: Seconds,
+        attention_s: Seconds,
         recall: Tensor | None = None,
-        recall_s: float = 0.0,
+        recall_s: Seconds = 0.0,
     ) -> None:
         if layer in self.layers:  # a new forward: settle the last one's deferred checks
             self.check_finite()
@@ -85,7 +129,7 @@ class PrefillRecorder:
         )
 
     def check_finite(self) -> None:
-        """Raise for the first deferred non-finite q/k flag (CUDA runs without timing)."""
+        """Raise for the first deferred non-finite q/k flag (CUDA runs)."""
         pending, self._pending = self._pending, []
         for layer, bad in pending:
             if bool(bad):
@@ -104,8 +148,8 @@ class PrefillRecorder:
         return {
             "density_mean": sum(flat) / len(flat) if flat else math.nan,
             "density_layers_heads": [[round(d, 5) for d in row] for row in per_layer],
-            "selector_s": sum(self.layers[i].selector_s for i in order),
-            "attention_s": sum(self.layers[i].attention_s for i in order),
+            "selector_s": sum(float(self.layers[i].selector_s) for i in order),
+            "attention_s": sum(float(self.layers[i].attention_s) for i in order),
             "num_layers": len(order),
         } | self._recall_summary(order)
 
@@ -117,7 +161,7 @@ class PrefillRecorder:
         return {
             "recall_mean": sum(per_layer) / len(per_layer),
             "recall_layers": [round(r, 5) for r in per_layer],
-            "recall_s": sum(self.layers[i].recall_s for i in order),
+            "recall_s": sum(float(self.layers[i].recall_s) for i in order),
         }
 
 
@@ -284,8 +328,8 @@ def _check_finite(query: Tensor, key: Tensor, layer: int, rec: PrefillRecorder) 
     km = torch.linalg.vector_norm(key, inf, dtype=torch.float32)
     bound = qm * km * query.shape[-1]
     bad = ~(torch.isfinite(qm + km) & (bound <= SCORE_LIMIT))
-    if query.is_cuda and not rec.timing:
-        rec._pending.append((layer, bad))  # checked at summary(): no extra host sync here
+    if query.is_cuda:
+        rec._pending.append((layer, bad))  # checked at summary(): no host sync in the forward
     elif bool(bad):
         raise FloatingPointError(_nonfinite_message(layer))
 
