@@ -24,11 +24,13 @@ from torch import Tensor
 
 from .triton_util import check_triton_launch, jit, tl, triton
 
-# One program sums COMBINE_TOKENS tokens x COMBINE_WIDTH hidden columns in COMBINE_WARPS warps
-# (`bench.moe_passes` times other settings against these).
-COMBINE_TOKENS = 16
-COMBINE_WIDTH = 512
-COMBINE_WARPS = 4
+# One program sums COMBINE_TOKENS tokens x COMBINE_WIDTH hidden columns in COMBINE_WARPS warps.
+# `bench.moe_passes` times other settings against these: on an H200 at 128K tokens of
+# Qwen3-30B-A3B these ran fastest, 0.91x the time of 16 x 512 in 4 warps, and every 8-token
+# setting 0.91-0.97x (results/speed/moe_passes_nvidia_h200.csv).
+COMBINE_TOKENS = 8
+COMBINE_WIDTH = 1024
+COMBINE_WARPS = 8
 
 
 def _check(y: Tensor, pos: Tensor, w: Tensor) -> None:

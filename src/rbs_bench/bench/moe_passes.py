@@ -39,9 +39,9 @@ GRID = [
         "combine",
         "moe_combine",
         {
-            "COMBINE_TOKENS": [16, 8, 32],
-            "COMBINE_WIDTH": [512, 1024, 2048],
-            "COMBINE_WARPS": [4, 8],
+            "COMBINE_TOKENS": [8, 16, 32],
+            "COMBINE_WIDTH": [1024, 512, 2048],
+            "COMBINE_WARPS": [8, 4],
         },
     ),
     ("gather", "fp8_moe", {"GATHER_BYTES": [16384, 8192, 32768], "GATHER_WARPS": [4, 8]}),
