@@ -10,7 +10,6 @@ def test_the_fp8_activation_passes_are_the_quantise_family():
     experts' quantised rows included, counts as `quantise`; the products as `gemm`."""
     passes = (
         fp8_gemm._act_quant_kernel,
-        fp8_moe._token_quant_kernel,
         fp8_moe._gather_quantised_kernel,
         fp8_moe._gated_quant_kernel,
     )
