@@ -284,6 +284,43 @@ def _fp8_gemm_table(src: Sources, gpu: str) -> str:
     return md_table(head, rows) + "\n" + note + sources_line(src, [path]) + "\n"
 
 
+@block("moe_passes_h200")
+def moe_passes_h200(src: Sources) -> str:
+    """`bench.moe_passes` on one H200: each row pass of the FP8 experts at the run's default
+    setting, at its fastest setting, and at the setting the kernels use now (the first value of
+    each setting in `bench.moe_passes.GRID`), in ms and GB/s."""
+    from rbs_bench.bench.moe_passes import GRID
+
+    path = speed_file(src, f"moe_passes_{H200}.csv")
+    df = read_csv(src, path)
+    rows = []
+    for name, _, grid in GRID:
+        at = df[df["pass"] == name]
+        if at.empty:
+            continue
+        first = at[at["default"].astype(str) == "True"].iloc[0]
+        best = at.loc[at["ms"].idxmin()]
+        now = " ".join(f"{k}={v[0]}" for k, v in grid.items())
+        used = at[at["setting"] == now]
+        used_ms = f"{used['ms'].iloc[0]:.3f}" if len(used) else "–"
+        rows.append([
+            name, first["setting"], f"{first['ms']:.3f} ({first['gb_per_s']:.0f})",
+            best["setting"], f"{best['ms']:.3f} ({best['gb_per_s']:.0f})",
+            f"{best['x_default']:.2f}x", now, used_ms,
+        ])  # fmt: skip
+    head = ["pass", "the run's default", "ms (GB/s)", "fastest", "ms (GB/s)", "x default"]
+    head += ["the kernels' setting now", "its ms"]
+    tokens = int(df["tokens"].iloc[0])
+    same = bool(df["same_bytes"].astype(str).eq("True").all())
+    note = (
+        f"{tokens:,} tokens of Qwen3-30B-A3B's experts (hidden 2048, 768 per expert, 128 experts, "
+        "top 8); GB/s counts the bytes each pass must read and write. "
+        + ("Every setting wrote the default's bytes exactly. " if same else
+           "Some settings wrote other bytes than the default's (see the CSV). ")
+    )  # fmt: skip
+    return md_table(head, rows) + "\n" + note + sources_line(src, [path]) + "\n"
+
+
 def _bf16_ms(r) -> float:
     """The bf16 time of a bench.fp8_gemm row: cuBLAS for a plain layer, grouped_mm for the
     experts (NaN where the run had no grouped_mm)."""
