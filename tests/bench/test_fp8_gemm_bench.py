@@ -143,3 +143,25 @@ def test_the_experts_switch_gives_back_the_callers_setting(monkeypatch):
     with bench.experts_on_cublas(False):
         assert os.environ["RBS_BENCH_FP8_CUBLAS_GROUPED"] == "0"
     assert "RBS_BENCH_FP8_CUBLAS_GROUPED" not in os.environ
+
+
+def test_the_compiled_bf16_experts_block_computes_the_eager_one():
+    """The bf16 baseline `time_experts` compiles (as the bf16 layers run their feed-forward) is
+    the eager block up to bf16 rounding: its distance to the fp32 block is at most twice the
+    eager bf16 block's own."""
+    torch.manual_seed(0)
+    n, k, hidden, inter = 48, bench.TOP_K, 256, 128
+    experts = bench.NUM_EXPERTS
+    x = torch.randn(n, hidden)
+    index = torch.stack([torch.randperm(experts)[:k] for _ in range(n)])
+    weights = torch.softmax(torch.randn(n, k), -1)
+    w = [torch.randn(experts, hidden, 2 * inter) / 16, torch.randn(experts, inter, hidden) / 16]
+    args = lambda dt: (x.to(dt), index, weights.to(dt), None, None, None, None)  # noqa: E731
+    exact = bench.experts_unfused(*args(torch.float32), grouped=w)
+    bf = [t.to(torch.bfloat16) for t in w]
+    eager = bench.experts_unfused(*args(torch.bfloat16), grouped=bf).float()
+    compiled = torch.compile(bench.experts_unfused, dynamic=False)
+    got = compiled(*args(torch.bfloat16), grouped=bf).float()
+    own = (eager - exact).norm() / exact.norm()
+    assert 0 < own < 0.02
+    assert (got - exact).norm() / exact.norm() <= 2 * own

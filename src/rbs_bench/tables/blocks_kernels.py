@@ -270,7 +270,9 @@ def _fp8_gemm_table(src: Sources, gpu: str) -> str:
     note = (
         "The experts row is the whole block as the compiled layers run it (the quantised gather, "
         "both products, the gate, the weighted sum) against bf16 `grouped_mm` with its gather, "
-        "gate and sum; gate_up and down are its products timed alone; qkv is q, k and v as one "
+        "gate and sum"
+        + (", compiled as the bf16 layers run it" if "ms_bf16_compiled" in times else ", eager")
+        + "; gate_up and down are its products timed alone; qkv is q, k and v as one "
         "product, as the compiled layers run FP8 ones (bf16 the same way). A layer's products "
         "(qkv where the run timed it, else q, k and v apart; o; the experts block): "
         + "; ".join(sums) + ". "
@@ -322,10 +324,14 @@ def moe_passes_h200(src: Sources) -> str:
 
 
 def _bf16_ms(r) -> float:
-    """The bf16 time of a bench.fp8_gemm row: cuBLAS for a plain layer, grouped_mm for the
-    experts (NaN where the run had no grouped_mm)."""
-    cublas = r.get("ms_bf16_cublas")
-    return float(cublas) if pd.notna(cublas) else float(r.get("ms_bf16_grouped_mm", "nan"))
+    """The bf16 time of a bench.fp8_gemm row: cuBLAS for a plain layer; for the experts the block
+    compiled as the bf16 layers run it, else (runs before that column) eager grouped_mm (NaN
+    where the run had neither)."""
+    for key in ("ms_bf16_cublas", "ms_bf16_compiled", "ms_bf16_grouped_mm"):
+        v = r.get(key)
+        if v is not None and pd.notna(v):
+            return float(v)
+    return float("nan")
 
 
 def fp8_layer_sums(times: pd.DataFrame) -> list[tuple[int, float, float]]:
