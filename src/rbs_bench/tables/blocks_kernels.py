@@ -290,19 +290,18 @@ def _fp8_gemm_table(src: Sources, gpu: str) -> str:
 def moe_passes_h200(src: Sources) -> str:
     """`bench.moe_passes` on one H200: each row pass of the FP8 experts at the run's default
     setting, at its fastest setting, and at the setting the kernels use now (the first value of
-    each setting in `bench.moe_passes.GRID`), in ms and GB/s."""
-    from rbs_bench.bench.moe_passes import GRID
+    each setting's module constant in `kernels.fp8_moe` / `kernels.moe_combine`), in ms and GB/s."""
+    from rbs_bench.kernels import fp8_moe, moe_combine
 
     path = speed_file(src, f"moe_passes_{H200}.csv")
     df = read_csv(src, path)
     rows = []
-    for name, _, grid in GRID:
-        at = df[df["pass"] == name]
-        if at.empty:
-            continue
+    for name, at in df.groupby("pass", sort=False):
         first = at[at["default"].astype(str) == "True"].iloc[0]
         best = at.loc[at["ms"].idxmin()]
-        now = " ".join(f"{k}={v[0]}" for k, v in grid.items())
+        keys = [kv.split("=")[0] for kv in first["setting"].split()]
+        constant = lambda k: getattr(fp8_moe, k, None) or getattr(moe_combine, k)  # noqa: E731
+        now = " ".join(f"{k}={constant(k)}" for k in keys)
         used = at[at["setting"] == now]
         used_ms = f"{used['ms'].iloc[0]:.3f}" if len(used) else "–"
         rows.append([
