@@ -350,8 +350,9 @@ def time_experts(tokens, rep_ms) -> dict:
         compiled = torch.compile(experts_unfused, dynamic=False)
         ms["bf16_compiled"] = do_bench(lambda: compiled(*args, grouped=w), rep_ms)
     flops = 2.0 * tokens * TOP_K * sum(n * k for n, k in EXPERTS.values())
-    base = next((b for b in ("bf16_compiled", "bf16_grouped_mm") if b in ms), None)
-    return _time_row(ms, flops, base)
+    from rbs_bench.tables.blocks_kernels import BF16_BASELINES
+
+    return _time_row(ms, flops, next((b for b in BF16_BASELINES if b in ms), None))
 
 
 def _time_row(ms: dict, flops: float, baseline: str | None) -> dict:
@@ -411,10 +412,11 @@ def print_table(rows: list[dict]) -> None:
             "\nlayer | tokens | fp8 ms (TFLOP/s) | quant ms | gemm ms | fused ms | bf16 ms "
             "(TFLOP/s) | fp8 x | fused x | cuBLAS fp8 per-tensor ms (TFLOP/s)"
         )
+        from rbs_bench.tables.blocks_kernels import BF16_BASELINES
+
         for r in times:
-            bf16 = ("bf16_cublas", "bf16_compiled", "bf16_grouped_mm")
-            base = _first(r, *(f"ms_{b}" for b in bf16))
-            base_tf = _first(r, *(f"tflops_{b}" for b in bf16))
+            base = _first(r, *(f"ms_{b}" for b in BF16_BASELINES))
+            base_tf = _first(r, *(f"tflops_{b}" for b in BF16_BASELINES))
             print(
                 f"{r['layer']} | {r['tokens']} | {r['ms_fp8']:.3f} ({r['tflops_fp8']:.0f}) | "
                 f"{_first(r, 'ms_fp8_quant'):.3f} | {_first(r, 'ms_fp8_gemm'):.3f} | "

@@ -322,11 +322,15 @@ def moe_passes_h200(src: Sources) -> str:
     return md_table(head, rows) + "\n" + note + sources_line(src, [path]) + "\n"
 
 
+# A bench.fp8_gemm row's bf16 baseline, the first of these it timed: cuBLAS for a plain layer;
+# for the experts the block compiled as the bf16 layers run it, else (runs before that column)
+# eager grouped_mm.
+BF16_BASELINES = ("bf16_cublas", "bf16_compiled", "bf16_grouped_mm")
+
+
 def _bf16_ms(r) -> float:
-    """The bf16 time of a bench.fp8_gemm row: cuBLAS for a plain layer; for the experts the block
-    compiled as the bf16 layers run it, else (runs before that column) eager grouped_mm (NaN
-    where the run had neither)."""
-    for key in ("ms_bf16_cublas", "ms_bf16_compiled", "ms_bf16_grouped_mm"):
+    """The bf16 time of a bench.fp8_gemm row (`BF16_BASELINES`; NaN where it timed none)."""
+    for key in (f"ms_{b}" for b in BF16_BASELINES):
         v = r.get(key)
         if v is not None and pd.notna(v):
             return float(v)
