@@ -289,8 +289,8 @@ def _fp8_gemm_table(src: Sources, gpu: str) -> str:
 @block("moe_passes_h200")
 def moe_passes_h200(src: Sources) -> str:
     """`bench.moe_passes` on one H200: each row pass of the FP8 experts at the run's default
-    setting, at its fastest setting, and at the setting the kernels use now (the first value of
-    each setting's module constant in `kernels.fp8_moe` / `kernels.moe_combine`), in ms and GB/s."""
+    setting, at its fastest setting, and at the setting the kernels use now (their module
+    constants in `kernels.fp8_moe` / `kernels.moe_combine`), in ms and GB/s."""
     from rbs_bench.kernels import fp8_moe, moe_combine
 
     path = speed_file(src, f"moe_passes_{H200}.csv")
