@@ -166,16 +166,16 @@ def expert_rows(top_k_index: Tensor, num_experts: int) -> ExpertRows:
 
 
 @jit
-def _scale_offsets(rows, g, r_ok, First, Count, stride_sg, stride_sm, G, BLOCKED: tl.constexpr):
+def _scale_offsets(rows, g, r_ok, First, Count, R, G, BLOCKED: tl.constexpr):
     """Where the scale of group g of row `rows` lies (broadcast together): BLOCKED, expert x's
-    scales [G, count_x] at G * first_x, row-count-major; else g * stride_sg + row * stride_sm."""
+    scales [G, count_x] at G * first_x, row-count-major; else group-major [G, R], g * R + row."""
     rows64 = rows.to(tl.int64)
     if BLOCKED:
         first = tl.load(First + rows, mask=r_ok, other=0).to(tl.int64)
         count = tl.load(Count + rows, mask=r_ok, other=0).to(tl.int64)
         return (G - 1) * first + rows64 + g * count
     else:
-        return g * stride_sg + rows64 * stride_sm
+        return g * R + rows64
 
 
 @jit
@@ -190,8 +190,7 @@ def _quant_store(
     First,
     Count,
     stride_qm,
-    stride_sg,
-    stride_sm,
+    R,
     G,
     BLOCKED: tl.constexpr,
     ROUND: tl.constexpr,
@@ -203,7 +202,7 @@ def _quant_store(
     q_ptrs = XQ + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :]
     tl.store(q_ptrs, _to_e4m3(y, s, ROUND), mask=ok)
     g = tl.program_id(1)
-    where = _scale_offsets(rows, g, r_ok, First, Count, stride_sg, stride_sm, G, BLOCKED)
+    where = _scale_offsets(rows, g, r_ok, First, Count, R, G, BLOCKED)
     tl.store(XS + where, s, mask=r_ok)
 
 
@@ -252,7 +251,7 @@ def _gather_quantised_kernel(
     g = tl.arange(0, BLOCK_G)[None, :]
     ok = r_ok[:, None] & (g < G)
     s = tl.load(TS + src[:, None] * G + g, mask=ok)
-    where = _scale_offsets(rows[:, None], g, r_ok[:, None], First, Count, R, 1, G, BLOCKED)
+    where = _scale_offsets(rows[:, None], g, r_ok[:, None], First, Count, R, G, BLOCKED)
     tl.store(XS + where, s, mask=ok)
 
 
@@ -286,9 +285,7 @@ def _gated_quant_kernel(
     gf = gate.to(tl.float32)
     act = _rounded(gf / (1.0 + tl.exp(-gf)), gate.dtype)
     y = _rounded(act * up.to(tl.float32), gate.dtype)
-    _quant_store(
-        y, rows, cols, r_ok, c_ok, XQ, XS, First, Count, stride_qm, R, 1, G, BLOCKED, ROUND
-    )
+    _quant_store(y, rows, cols, r_ok, c_ok, XQ, XS, First, Count, stride_qm, R, G, BLOCKED, ROUND)
 
 
 def token_quant(x: Tensor) -> tuple[Tensor, Tensor]:
