@@ -9,7 +9,9 @@
 calibrated to 5% measured density; then every configuration of the sparse attention kernel in
 `ATTENTION_CONFIGS` is checked against an fp32 computation over the same kept blocks and timed on
 that selection (and at 128K on uniformly random blocks of the same density), next to dense cuDNN,
-and every selector variant in `SELECTOR_CONFIGS` is checked against the default one and timed,
+each method's whole selection (RBS's and, calibrated to its density, each of `RIVALS`) is
+timed on the same input, and every selector variant in `SELECTOR_CONFIGS` is checked against
+the default one and timed,
 with the share of candidates the two-pass variant scores exactly, and, beside the autotuned
 attention kernel's time on the same selection (`kind=tuned`), its sum with that time, its
 share of the sum and the sum's speedup over dense cuDNN (`--parts selector` times the selector
@@ -221,6 +223,7 @@ def time_selectors(rows: Rows, family, n, q, k, selector, t_end, attention_ms=No
         return _launch(q, c, u, bs, *alphas, *forced, None, "both", stats=stats, **kw)
 
     want = select({})
+    time_methods(rows, family, n, q, k, selector)
     for name, kw in SELECTOR_CONFIGS.items():
         if time.monotonic() > t_end:
             print("time budget spent: selector variants", file=sys.stderr)
@@ -245,6 +248,31 @@ def time_selectors(rows: Rows, family, n, q, k, selector, t_end, attention_ms=No
             differ_blocks=int((got[1] != want[1]).sum()), exact_share=exact / max(cand, 1),
             density=selector.select(q, k).density(), **totals,
         )  # fmt: skip
+
+
+# the selectors `time_methods` races RBS's against, each calibrated to RBS's density
+RIVALS = ("flashprefill",)
+
+
+def time_methods(rows: Rows, family, n, q, k, selector) -> None:
+    """Each method's whole `select` on the same q and k (`kind=method`): RBS's as calibrated,
+    and each of `RIVALS` calibrated to the same measured density (block statistics, scoring and
+    compaction included, as a layer calls it), with its ms over RBS's."""
+    from rbs_bench.bench.attention import calibrate, do_bench
+
+    density = selector.select(q, k).density()
+    base = do_bench(lambda: selector.select(q, k), 100)
+    rows.add(kind="method", inputs=family, n=n, pattern=RBS.name, config=RBS.name, ms=base,
+             density=density, x_rbs=1.0)  # fmt: skip
+    for name in RIVALS:
+        try:
+            rival, got = calibrate(name, q, k, density, tol=5e-4)
+            ms = do_bench(lambda rival=rival: rival.select(q, k), 100)
+        except Exception as e:
+            print(f"method {name}: failed ({type(e).__name__}: {str(e)[:300]})", file=sys.stderr)
+            continue
+        rows.add(kind="method", inputs=family, n=n, pattern=name, config=name, ms=ms,
+                 density=got, x_rbs=ms / base)  # fmt: skip
 
 
 def tuned_attention_ms(q, k, v, sel) -> float:
@@ -374,6 +402,10 @@ def summary(rows: Rows) -> None:
                 .round(2)
                 .astype(str)
             )
+    race = df[df["kind"] == "method"]
+    if not race.empty:
+        print("\neach method's whole selection at RBS's density (ms; x_rbs: its ms over RBS's):")
+        print(race[["inputs", "n", "pattern", "density", "ms", "x_rbs"]].to_string(index=False))
     err = df[df["kind"] == "errors"]
     if not err.empty:
         print("\nerrors at 128K:")
