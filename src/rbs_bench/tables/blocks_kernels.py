@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from rbs_bench.methods import display
 from rbs_bench.methods.rbs import RBS
 from rbs_bench.tables.blocks import (
     Sources,
@@ -75,6 +76,40 @@ def selector_variants(src: Sources) -> str:
     rows = [[f"`{c}`"] + [num(sel.loc[c].get(k), ".2f") for k in cols] for c in sel.index]
     head = ["variant"] + [f"{f} {kilo(n)}" for f, n in cols]
     return md_table(head, rows) + "\n" + sources_line(src, [path]) + "\n"
+
+
+@block("selector_race_h200")
+def selector_race_h200(src: Sources) -> str:
+    """`bench.variants --parts selector` on one H200 at 128K: each method's whole selection at
+    RBS's measured density (ms and its ratio to RBS's), then each selector variant's kernel
+    time, per input family, with the rows whose kept count differs from the default's."""
+    path = speed_file(src, f"selector_race_{H200}.csv")
+    df = read_csv(src, path)
+    families = list(dict.fromkeys(df["inputs"]))
+    race = df[df["kind"] == "method"].set_index(["pattern", "inputs"])
+    rows = []
+    for name in dict.fromkeys(race.index.get_level_values(0)):
+        rows.append([display(name)] + [
+            f"{race.loc[(name, f), 'ms']:.2f} ({race.loc[(name, f), 'x_rbs']:.2f}x), "
+            f"{100 * race.loc[(name, f), 'density']:.2f}%" if (name, f) in race.index else "–"
+            for f in families
+        ])  # fmt: skip
+    head = ["whole selection"] + [f"{f} {kilo(LONG)}: ms (over RBS's), density" for f in families]
+    out = md_table(head, rows)
+    sel = df[df["kind"] == "selector"].set_index(["config", "inputs"])
+    rows = []
+    for config in dict.fromkeys(sel.index.get_level_values(0)):
+        at = [sel.loc[(config, f)] for f in families]
+        rows.append([f"`{config}`"] + [f"{r['ms']:.2f}" for r in at]
+                    + [str(sum(int(r["differ_counts"]) for r in at))])  # fmt: skip
+    head = ["RBS kernel variant"] + [f"{f} {kilo(LONG)} ms" for f in families]
+    head += ["rows kept differently"]
+    note = (
+        "The whole selection is each method's `select` as a layer calls it (input checks, key-"
+        "block statistics, scoring, thresholds, compaction); the variants time the key-block "
+        "statistics and the kernel alone. 32 query and 4 KV heads of 128, bf16. "
+    )
+    return out + "\n" + md_table(head, rows) + "\n" + note + sources_line(src, [path]) + "\n"
 
 
 NCU = {  # the row of the ncu table -> (metric, format)
@@ -275,7 +310,8 @@ def _fp8_gemm_table(src: Sources, gpu: str) -> str:
         + "; gate_up and down are its products timed alone; qkv is q, k and v as one "
         "product, as the compiled layers run FP8 ones (bf16 the same way). A layer's products "
         "(qkv where the run timed it, else q, k and v apart; o; the experts block): "
-        + "; ".join(sums) + ". "
+        + "; ".join(sums)
+        + ". "
         + (
             f"Checks against the reference: {passed} of {len(checks)} pass. "
             if len(checks)
