@@ -23,8 +23,9 @@ local window ending at the diagonal, the last query rows); only b <= i is ever k
   subtracted before its exponentials, so their time does not depend on the logits' range (the
   earlier one-offset-per-row path, `fast`, redid rows near fp32's overflow: 1.7x slower on the
   `needles` inputs of `rbs_bench.synthetic`). Neither the N x M token logits nor the M x M scores
-  reach device memory. `_launch` keeps the other scoring paths (fast; two_pass, bounds first)
-  as options; docs/kernels.md has their timings.
+  reach device memory. `_launch` keeps the other scoring paths (fast; two_pass, bounds first;
+  rescue_bound, rescue tiles skipped where bounded) as options; docs/kernels.md has their
+  timings.
 """
 
 from __future__ import annotations
@@ -48,6 +49,10 @@ _INTERPRETED = tl.constexpr(INTERPRET) if tl is not None else INTERPRET
 _jit_call = triton.jit(noinline=True) if triton is not None else jit
 
 BRANCHES = ("both", "base", "rescue")
+# log2 units a tile's rescue bounds must lie below the running threshold for its rescue
+# exponentials to be skipped (`_score_row`, BOUND): far above the fp32 rounding of the scores
+# (about 1e-5 at logits of 100), so a skipped block's exact score could not have reached it
+BOUND_SLACK = tl.constexpr(1e-3) if tl is not None else 1e-3
 
 
 # ---------------------------------------------------------------- the mask rule (pure PyTorch)
@@ -250,6 +255,9 @@ def _score_row(
     qk_scale,
     bias,
     q_norm,
+    qn_max,
+    qn_min,
+    log2_alpha_rescue,
     off,
     cz,
     cp,
@@ -257,6 +265,7 @@ def _score_row(
     RESCUE: tl.constexpr,
     DOT_F32: tl.constexpr,
     EXACT: tl.constexpr,
+    BOUND: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
@@ -264,7 +273,8 @@ def _score_row(
 
     S0[b] gets the base score, S1[b] the rescue score. The zero-uplift key blocks (positions
     [0, cz)) get one score for both branches; the uplifted ones (positions [BLOCK_M - cp,
-    BLOCK_M), whole tiles from the end) both. Returns the row's top scores of the branches.
+    BLOCK_M), whole tiles from the end) both. Returns the row's top scores of the branches and
+    the count of candidates whose rescue score is a bound (BOUND, below).
 
     EXACT subtracts each key block's own token maximum before exponentiating (no logit range
     can overflow or underflow). Otherwise one offset `off` serves the whole row: off =
@@ -272,10 +282,20 @@ def _score_row(
     can reach a threshold (L >= max L + log2 alpha >= off + log2 alpha) sums terms far above
     fp32's underflow; the caller checks that no score came near overflow (L > off + 100) and
     otherwise redoes the row exactly.
+
+    BOUND (with BASE): an uplifted tile's rescue scores lie between bounds from its base scores,
+    L_b + u_b * qn_min <= L_r <= L_b + u_b * qn_max (qn_min, qn_max: the least and largest
+    ||q_t|| * scale of the query block's tokens). The lower bounds and the exact rescue scores
+    so far give a lower bound of the row's rescue maximum; when every upper bound of the tile
+    lies `BOUND_SLACK` below it plus log2 alpha_rescue (never above the final threshold), no
+    block of the tile can be kept by the rescue branch or hold its maximum, so the upper bounds
+    are stored in place of the scores and the tile's second set of exponentials is skipped: the
+    kept blocks are the same. The uplifted tiles then start with the one nearest the diagonal.
     """
     offs_k = tl.arange(0, BLOCK_K)
     top_b = float("-inf")
     top_r = float("-inf")
+    n_bound = 0  # candidates whose rescue score is their bound (BOUND)
     for t in range(0, tl.cdiv(cz, BLOCK_K)):
         pos = t * BLOCK_K + offs_k
         cand = pos < cz
@@ -288,7 +308,12 @@ def _score_row(
         if RESCUE:
             tl.store(S1 + ids, lse, mask=cand)
             top_r = tl.maximum(top_r, tl.max(lse, 0))
-    for t in range(0, tl.cdiv(cp, BLOCK_K)):
+    n_up = tl.cdiv(cp, BLOCK_K)
+    lb_r = float("-inf")  # BOUND: a lower bound of the row's rescue maximum, from base scores
+    for step in range(0, n_up):
+        t = step
+        if BOUND:  # the tile nearest the diagonal first: its blocks tend to score highest
+            t = (step + n_up - 1) % n_up
         pos = BLOCK_M - (t + 1) * BLOCK_K + offs_k
         cand = pos >= BLOCK_M - cp
         ids = tl.load(perm_head + pos * stride_pm)
@@ -299,10 +324,22 @@ def _score_row(
             lse_b = tl.where(cand, _lse(x, off, EXACT), float("-inf"))
             tl.store(S0 + ids, lse_b, mask=cand)
             top_b = tl.maximum(top_b, tl.max(lse_b, 0))
-        lse_r = tl.where(cand, _lse(x + u[:, None] * q_norm[None, :], off, EXACT), float("-inf"))
+        if BOUND:
+            ub = tl.where(cand, lse_b + u * qn_max, float("-inf"))
+            lb_r = tl.maximum(lb_r, tl.max(tl.where(cand, lse_b + u * qn_min, float("-inf")), 0))
+            if tl.max(ub, 0) < tl.maximum(top_r, lb_r) + log2_alpha_rescue - BOUND_SLACK:
+                lse_r = ub  # below the final threshold and maximum: top_r stays exact
+                n_bound += tl.sum(cand.to(tl.int32), 0)
+            else:
+                lse_r = _lse(x + u[:, None] * q_norm[None, :], off, EXACT)
+                lse_r = tl.where(cand, lse_r, float("-inf"))
+                top_r = tl.maximum(top_r, tl.max(lse_r, 0))
+        else:
+            lse_r = _lse(x + u[:, None] * q_norm[None, :], off, EXACT)
+            lse_r = tl.where(cand, lse_r, float("-inf"))
+            top_r = tl.maximum(top_r, tl.max(lse_r, 0))
         tl.store(S1 + ids, lse_r, mask=cand)
-        top_r = tl.maximum(top_r, tl.max(lse_r, 0))
-    return top_b, top_r
+    return top_b, top_r, n_bound
 
 
 @jit
@@ -476,6 +513,7 @@ def _select_row(
     TWO_PASS: tl.constexpr,
     STATS: tl.constexpr,
     OFF_MEAN: tl.constexpr,
+    BOUND: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -563,11 +601,15 @@ def _select_row(
             BLOCK_K,
         )  # fmt: skip
         scored = live
+        n_bound = 0
     else:
-        top_b, top_r = _score_row(
+        qn_max = tl.max(q_norm, 0)  # padded tokens: 0
+        qn_min = tl.min(tl.where(real, q_norm, float("inf")), 0)
+        top_b, top_r, n_bound = _score_row(
             c_head, u_head, perm_head, S0, S1, stride_cm, stride_cd, stride_um, stride_vm,
-            offs_d, d_ok, q_t, qk_scale, bias, q_norm, off, cz, cp, BASE, RESCUE, DOT_F32,
-            (FAST != 1) * (1 + (FAST == 2)), BLOCK_K, BLOCK_M,
+            offs_d, d_ok, q_t, qk_scale, bias, q_norm, qn_max, qn_min, log2_alpha_rescue, off,
+            cz, cp,
+            BASE, RESCUE, DOT_F32, (FAST != 1) * (1 + (FAST == 2)), BOUND, BLOCK_K, BLOCK_M,
         )  # fmt: skip
         if FAST == 1:
             ok = True
@@ -576,10 +618,11 @@ def _select_row(
             if RESCUE:
                 ok = ok & (top_r <= off + 100.0) & (top_r >= off - 60.0)
             if scoring & (ok == 0):  # a score near fp32's overflow: redo with per-block maxima
-                _score_row(
+                _, _, n_bound = _score_row(
                     c_head, u_head, perm_head, S0, S1, stride_cm, stride_cd, stride_um,
-                    stride_vm, offs_d, d_ok, q_t, qk_scale, bias, q_norm, off, cz, cp, BASE,
-                    RESCUE, DOT_F32, True, BLOCK_K, BLOCK_M,
+                    stride_vm, offs_d, d_ok, q_t, qk_scale, bias, q_norm, qn_max, qn_min,
+                    log2_alpha_rescue, off, cz, cp, BASE, RESCUE, DOT_F32, True, BOUND, BLOCK_K,
+                    BLOCK_M,
                 )  # fmt: skip
         scored = inrow
     tl.debug_barrier()  # every score of the row is in the scratch
@@ -592,9 +635,10 @@ def _select_row(
     if RESCUE:
         lse_r = tl.load(S1 + cols, mask=scored, other=float("-inf"))
         picked = picked | (lse_r >= tl.max(lse_r, 0) + log2_alpha_rescue)
-    if STATS:  # candidates, and those pass two scored (all of them in one pass)
+    if STATS:  # candidates, those pass two scored (all in one pass), rescue scores bounded
         tl.atomic_add(Stats, tl.sum(inrow.to(tl.int64), 0))
         tl.atomic_add(Stats + 1, tl.sum(scored.to(tl.int64), 0))
+        tl.atomic_add(Stats + 2, n_bound.to(tl.int64))
     window_lo = tl.where(last_rows, -1, i - window_blocks)  # the last rows keep every b <= i
     keep = (cols < sink_blocks) | (cols > window_lo) | (picked & scored)
     keep = keep & (cols <= i)
@@ -697,6 +741,7 @@ def _launch(
     two_pass: bool = False,
     stats: Tensor | None = None,
     fast_log: bool = False,
+    rescue_bound: bool = False,
 ):
     """`rbs_select` with the launch configuration open (for tests and tuning).
 
@@ -715,9 +760,13 @@ def _launch(
     invariants); offset: the row's exponent offset, the largest logit against key block 0
     ("block0": scores that matter cannot underflow) or against the mean centroid ("mean": one
     reduction less; with fast, the redo covers rows where it misses by more than 2^60). stats:
-    int64 [2], if given, accumulates the scored candidates and those scored exactly (pass two's
-    live blocks; all of them in one pass). fast_log: the one exact pass with each block's
-    logarithm from the special-function unit (`_lse`); ignored with fast or two_pass.
+    int64 [3], if given, accumulates the scored candidates, those scored exactly (pass two's
+    live blocks; all of them in one pass) and those whose rescue score is a bound
+    (rescue_bound). fast_log: the one exact pass with each block's logarithm from the
+    special-function unit (`_lse`); ignored with fast or two_pass.
+    rescue_bound: with both branches in one pass, skip the rescue exponentials of an uplifted
+    tile whose bounds from its base scores lie below the running rescue threshold (`_score_row`,
+    BOUND); the kept blocks are the same.
     """
     base, rescue = _branches(branches)
     check_triton_launch("rbs_select", q, centroid, uplift_rescue if rescue else None)
@@ -823,6 +872,7 @@ def _launch(
         STATS=stats is not None,
         CALL=call,
         OFF_MEAN=offset == "mean",
+        BOUND=rescue_bound and base and rescue and not (two_pass and not fast),
         BLOCK_Q=max(16, triton.next_power_of_2(block_size)),
         BLOCK_K=block_k,
         BLOCK_D=block_d,

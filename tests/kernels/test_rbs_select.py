@@ -164,17 +164,41 @@ def test_rbs_select_two_pass_scores_few_blocks_exactly(branches):
     count0, idx0 = rbs_select_ref(*args, branches=branches)
     stats = {}
     for two_pass in (True, False):
-        stats[two_pass] = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        stats[two_pass] = torch.zeros(3, dtype=torch.int64, device=DEVICE)
         count, idx = _launch(
             *args, None, branches, block_k=16, two_pass=two_pass, stats=stats[two_pass]
         )
         check_layout(count, idx)
         assert_same_sets(lists_to_mask(count, idx), lists_to_mask(count0, idx0), near)
-    candidates, exact = stats[True].tolist()
+    candidates, exact, bounded = stats[True].tolist()
     m = c.shape[2]
     assert candidates == 2 * sum(range(sink + win, m - last))  # the scored rows' candidates
-    assert 0 < exact < candidates / 2
-    assert stats[False].tolist() == [candidates, candidates]
+    assert 0 < exact < candidates / 2 and bounded == 0
+    assert stats[False].tolist() == [candidates, candidates, 0]
+
+
+@kernel_test
+@pytest.mark.parametrize("family", ["synthetic", "needles"])
+def test_rescue_bound_skips_tiles_and_keeps_the_same_blocks(family):
+    """Rescue scores taken from their bounds where a tile lies below the running threshold: on
+    structured inputs some tiles are skipped, and the kept blocks are exactly those of the
+    launch that scores every tile."""
+    from rbs_bench import synthetic
+
+    data = synthetic.generate(
+        1, 2, 1, 4096, 64, structure=synthetic.FAMILIES[family], seed=17, device=DEVICE
+    )
+    c, r = block_stats_ref(data.k, 64)
+    args = (data.q, c, r * rescue_beta_ref(r), 64, 0.22, 0.18, 1, 2, 1)
+    got = {}
+    for bound in (False, True):
+        stats = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+        count, idx = _launch(*args, None, "both", block_k=16, rescue_bound=bound, stats=stats)
+        got[bound] = (count, idx, stats.tolist())
+    assert torch.equal(got[True][0], got[False][0]) and torch.equal(got[True][1], got[False][1])
+    candidates, exact, bounded = got[True][2]
+    assert got[False][2] == [candidates, candidates, 0]
+    assert 0 < bounded < candidates / 2  # only uplifted blocks (about half) can be bounded
 
 
 # the selector variant with asynchronous wgmma (an inlined row, no register cap, two programs per
@@ -198,6 +222,9 @@ INLINED_UNCAPPED = dict(
         dict(offset="mean", fast=True),
         dict(fast_log=True),
         INLINED_UNCAPPED,
+        dict(rescue_bound=True),
+        dict(rescue_bound=True, fast=True),
+        dict(rescue_bound=True, offset="mean", fast_log=True),
     ],
     ids=[
         "one-pass",
@@ -210,6 +237,9 @@ INLINED_UNCAPPED = dict(
         "mean-offset-fast",
         "fast-log",
         "inlined-uncapped-fast-log",
+        "rescue-bound",
+        "rescue-bound-fast",
+        "rescue-bound-mean-offset-fast-log",
     ],
 )
 def test_rbs_select_launch_options(opts):
@@ -392,7 +422,9 @@ def test_gpu_triton_matches_torch_bf16(n, family):
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA or INTERPRET, reason="needs a CUDA GPU")
 @pytest.mark.parametrize(
-    "opts", [dict(fast_log=True), INLINED_UNCAPPED], ids=["fast-log", "inlined"]
+    "opts",
+    [dict(fast_log=True), INLINED_UNCAPPED, dict(rescue_bound=True)],
+    ids=["fast-log", "inlined", "rescue-bound"],
 )
 @pytest.mark.parametrize("n, family", [(16384, "synthetic"), (32768, "needles")])
 def test_gpu_selector_variants_match_torch_bf16(opts, n, family):

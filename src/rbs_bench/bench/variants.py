@@ -12,7 +12,8 @@ that selection (and at 128K on uniformly random blocks of the same density), nex
 each method's whole selection (RBS's and, calibrated to its density, each of `RIVALS`) is
 timed on the same input, and every selector variant in `SELECTOR_CONFIGS` is checked against
 the default one and timed,
-with the share of candidates the two-pass variant scores exactly, and, beside the autotuned
+with the share of candidates the two-pass variant scores exactly and the share whose rescue
+score the rescue-bound variants take from its bound, and, beside the autotuned
 attention kernel's time on the same selection (`kind=tuned`), its sum with that time, its
 share of the sum and the sum's speedup over dense cuDNN (`--parts selector` times the selector
 variants only). At 128K the sparse output's
@@ -82,6 +83,9 @@ SELECTOR_CONFIGS = {
     "two-pass-2/sm": dict(two_pass=True, per_sm=2, maxnreg=None),
     "mean-offset": dict(offset="mean"),  # no block-0 dot per row
     "fast-log": dict(fast_log=True),  # lg2.approx for each block's log-sum
+    "rescue-bound": dict(rescue_bound=True),  # skip rescue exps of tiles bounded below threshold
+    "rescue-bound-fast-log": dict(rescue_bound=True, fast_log=True),
+    "rescue-bound-fast-log-mean": dict(rescue_bound=True, fast_log=True, offset="mean"),
     "fast-log-mean": dict(fast_log=True, offset="mean"),
     "st1": dict(num_stages=1),
     "inlined-2/sm": _INLINED,
@@ -229,13 +233,13 @@ def time_selectors(rows: Rows, family, n, q, k, selector, t_end, attention_ms=No
             print("time budget spent: selector variants", file=sys.stderr)
             break
         try:
-            stats = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+            stats = torch.zeros(3, dtype=torch.int64, device=DEVICE)
             got = select(kw, stats)
             ms = do_bench(lambda kw=kw: select(kw), 100)
         except Exception as e:
             print(f"selector {name}: failed ({type(e).__name__}: {str(e)[:300]})", file=sys.stderr)
             continue
-        cand, exact = stats.tolist()
+        cand, exact, bounded = stats.tolist()
         totals = {}
         if attention_ms is not None:
             total = ms + attention_ms
@@ -246,6 +250,7 @@ def time_selectors(rows: Rows, family, n, q, k, selector, t_end, attention_ms=No
             kind="selector", inputs=family, n=n, pattern=RBS.name, config=name, ms=ms,
             differ_counts=int((got[0] != want[0]).sum()),
             differ_blocks=int((got[1] != want[1]).sum()), exact_share=exact / max(cand, 1),
+            bound_share=bounded / max(cand, 1),
             density=selector.select(q, k).density(), **totals,
         )  # fmt: skip
 

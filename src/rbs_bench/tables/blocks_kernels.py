@@ -101,8 +101,10 @@ def selector_race_h200(src: Sources) -> str:
     for config in dict.fromkeys(sel.index.get_level_values(0)):
         at = [sel.loc[(config, f)] for f in families]
         rows.append([f"`{config}`"] + [f"{r['ms']:.2f}" for r in at]
+                    + [" / ".join(pct(r.get("bound_share", 0.0), ".1f") for r in at)]
                     + [str(sum(int(r["differ_counts"]) for r in at))])  # fmt: skip
     head = ["RBS kernel variant"] + [f"{f} {kilo(LONG)} ms" for f in families]
+    head += ["rescue scores from their bound (" + " / ".join(families) + ")"]
     head += ["rows kept differently"]
     note = (
         "The whole selection is each method's `select` as a layer calls it (input checks, key-"
