@@ -11,6 +11,7 @@ import torch
 
 from rbs_bench import synthetic
 from rbs_bench.bench import attention, variants
+from rbs_bench.methods.rbs import RBS
 
 
 def test_time_methods_races_each_rival_at_rbs_density(tmp_path: Path, monkeypatch):
@@ -24,16 +25,16 @@ def test_time_methods_races_each_rival_at_rbs_density(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(attention, "do_bench", cpu_bench)
     data = synthetic.generate(1, 4, 2, 2048, 64, seed=0, device="cpu", dtype=torch.float32)
-    selector, density = attention.calibrate("rbs", data.q, data.k, 0.3, tol=0.02)
+    selector, density = attention.calibrate(RBS.name, data.q, data.k, 0.3, tol=0.02)
     rows = variants.Rows(tmp_path / "variants.csv")
     variants.time_methods(rows, "synthetic", 2048, data.q, data.k, selector)
-    assert [r["pattern"] for r in rows.rows] == ["rbs", *variants.RIVALS]
+    assert [r["pattern"] for r in rows.rows] == [RBS.name, *variants.rivals()]
     rbs, *rivals = rows.rows
     assert rbs["x_rbs"] == 1.0 and rbs["density"] == pytest.approx(density)
     for row in rivals:
         assert abs(row["density"] - density) <= 0.02 + 5e-4
         assert row["x_rbs"] == pytest.approx(row["ms"] / rbs["ms"])
-    assert len(calls) == 1 + len(variants.RIVALS)
+    assert len(calls) == 1 + len(variants.rivals())
 
 
 def test_the_summary_prints_the_race(tmp_path: Path, capsys):

@@ -9,7 +9,7 @@
 calibrated to 5% measured density; then every configuration of the sparse attention kernel in
 `ATTENTION_CONFIGS` is checked against an fp32 computation over the same kept blocks and timed on
 that selection (and at 128K on uniformly random blocks of the same density), next to dense cuDNN,
-each method's whole selection (RBS's and, calibrated to its density, each of `RIVALS`) is
+each method's whole selection (RBS's and, calibrated to its density, each of `rivals()`) is
 timed on the same input, and every selector variant in `SELECTOR_CONFIGS` is checked against
 the default one and timed,
 with the share of candidates the two-pass variant scores exactly and the share whose rescue
@@ -255,21 +255,26 @@ def time_selectors(rows: Rows, family, n, q, k, selector, t_end, attention_ms=No
         )  # fmt: skip
 
 
-# the selectors `time_methods` races RBS's against, each calibrated to RBS's density
-RIVALS = ("flashprefill",)
+def rivals() -> list[str]:
+    """The methods `time_methods` races RBS's selection against: every other compared method
+    (`methods.compared`), in table order."""
+    from rbs_bench import methods
+
+    return [name for name in methods.compared() if name != RBS.name]
 
 
 def time_methods(rows: Rows, family, n, q, k, selector) -> None:
     """Each method's whole `select` on the same q and k (`kind=method`): RBS's as calibrated,
-    and each of `RIVALS` calibrated to the same measured density (block statistics, scoring and
-    compaction included, as a layer calls it), with its ms over RBS's."""
+    and each of `rivals()` calibrated to the same measured density (input checks, block
+    statistics, scoring and compaction included, as a layer calls it), with its ms over RBS's.
+    A rival that fails (no knob value reaches the density) is reported and skipped."""
     from rbs_bench.bench.attention import calibrate, do_bench
 
     density = selector.select(q, k).density()
     base = do_bench(lambda: selector.select(q, k), 100)
     rows.add(kind="method", inputs=family, n=n, pattern=RBS.name, config=RBS.name, ms=base,
              density=density, x_rbs=1.0)  # fmt: skip
-    for name in RIVALS:
+    for name in rivals():
         try:
             rival, got = calibrate(name, q, k, density, tol=5e-4)
             ms = do_bench(lambda rival=rival: rival.select(q, k), 100)
