@@ -109,7 +109,9 @@ def selector_race_h200(src: Sources) -> str:
     note = (
         "The whole selection is each method's `select` as a layer calls it (input checks, key-"
         "block statistics, scoring, thresholds, compaction); the variants time the key-block "
-        "statistics and the kernel alone. 32 query and 4 KV heads of 128, bf16. "
+        "statistics and the kernel alone. Each rival is calibrated to RBS's measured density; "
+        "one whose knob cannot reach it within the search's tolerance shows the density it "
+        "reached; – : not in that family's run. 32 query and 4 KV heads of 128, bf16. "
     )
     return out + "\n" + md_table(head, rows) + "\n" + note + sources_line(src, [path]) + "\n"
 
