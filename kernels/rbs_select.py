@@ -608,8 +608,8 @@ def _select_row(
         top_b, top_r, n_bound = _score_row(
             c_head, u_head, perm_head, S0, S1, stride_cm, stride_cd, stride_um, stride_vm,
             offs_d, d_ok, q_t, qk_scale, bias, q_norm, qn_max, qn_min, log2_alpha_rescue, off,
-            cz, cp,
-            BASE, RESCUE, DOT_F32, (FAST != 1) * (1 + (FAST == 2)), BOUND, BLOCK_K, BLOCK_M,
+            cz, cp, BASE, RESCUE, DOT_F32, (FAST != 1) * (1 + (FAST == 2)), BOUND, BLOCK_K,
+            BLOCK_M,
         )  # fmt: skip
         if FAST == 1:
             ok = True
