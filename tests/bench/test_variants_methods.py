@@ -46,3 +46,24 @@ def test_the_summary_prints_the_race(tmp_path: Path, capsys):
     variants.summary(rows)
     out = capsys.readouterr().out
     assert "each method's whole selection" in out and "flashprefill" in out and "0.75" in out
+
+
+def test_a_rival_that_cannot_be_calibrated_is_reported_and_skipped(
+    tmp_path: Path, monkeypatch, capsys
+):
+    monkeypatch.setattr(attention, "do_bench", lambda fn, rep_ms=200: 1.0)
+    data = synthetic.generate(1, 4, 2, 1024, 64, seed=1, device="cpu", dtype=torch.float32)
+    selector, _ = attention.calibrate(RBS.name, data.q, data.k, 0.3, tol=0.02)
+    first, *rest = variants.rivals()
+    real = attention.calibrate
+
+    def calibrate(name, *args, **kwargs):
+        if name == first:
+            raise ValueError("no knob value reaches the density")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "calibrate", calibrate)
+    rows = variants.Rows(tmp_path / "variants.csv")
+    variants.time_methods(rows, "synthetic", 1024, data.q, data.k, selector)
+    assert [r["pattern"] for r in rows.rows] == [RBS.name, *rest]
+    assert f"method {first}: failed (ValueError: no knob value" in capsys.readouterr().err
