@@ -27,7 +27,7 @@ def test_time_methods_races_each_rival_at_rbs_density(tmp_path: Path, monkeypatc
     data = synthetic.generate(1, 4, 2, 2048, 64, seed=0, device="cpu", dtype=torch.float32)
     selector, density = attention.calibrate(RBS.name, data.q, data.k, 0.3, tol=0.02)
     rows = variants.Rows(tmp_path / "variants.csv")
-    variants.time_methods(rows, "synthetic", 2048, data.q, data.k, selector)
+    variants.time_methods(rows, "synthetic", 2048, data.q, data.k, selector, density)
     assert [r["pattern"] for r in rows.rows] == [RBS.name, *variants.rivals()]
     rbs, *rivals = rows.rows
     assert rbs["x_rbs"] == 1.0 and rbs["density"] == pytest.approx(density)
@@ -53,7 +53,7 @@ def test_a_rival_that_cannot_be_calibrated_is_reported_and_skipped(
 ):
     monkeypatch.setattr(attention, "do_bench", lambda fn, rep_ms=200: 1.0)
     data = synthetic.generate(1, 4, 2, 1024, 64, seed=1, device="cpu", dtype=torch.float32)
-    selector, _ = attention.calibrate(RBS.name, data.q, data.k, 0.3, tol=0.02)
+    selector, density = attention.calibrate(RBS.name, data.q, data.k, 0.3, tol=0.02)
     first, *rest = variants.rivals()
     real = attention.calibrate
 
@@ -64,6 +64,6 @@ def test_a_rival_that_cannot_be_calibrated_is_reported_and_skipped(
 
     monkeypatch.setattr(attention, "calibrate", calibrate)
     rows = variants.Rows(tmp_path / "variants.csv")
-    variants.time_methods(rows, "synthetic", 1024, data.q, data.k, selector)
+    variants.time_methods(rows, "synthetic", 1024, data.q, data.k, selector, density)
     assert [r["pattern"] for r in rows.rows] == [RBS.name, *rest]
     assert f"method {first}: failed (ValueError: no knob value" in capsys.readouterr().err

@@ -227,7 +227,8 @@ def time_selectors(rows: Rows, family, n, q, k, selector, t_end, attention_ms=No
         return _launch(q, c, u, bs, *alphas, *forced, None, "both", stats=stats, **kw)
 
     want = select({})
-    time_methods(rows, family, n, q, k, selector)
+    density = selector.select(q, k).density()  # every variant selects these same blocks
+    time_methods(rows, family, n, q, k, selector, density)
     for name, kw in SELECTOR_CONFIGS.items():
         if time.monotonic() > t_end:
             print("time budget spent: selector variants", file=sys.stderr)
@@ -251,7 +252,7 @@ def time_selectors(rows: Rows, family, n, q, k, selector, t_end, attention_ms=No
             differ_counts=int((got[0] != want[0]).sum()),
             differ_blocks=int((got[1] != want[1]).sum()), exact_share=exact / max(cand, 1),
             bound_share=bounded / max(cand, 1),
-            density=selector.select(q, k).density(), **totals,
+            density=density, **totals,
         )  # fmt: skip
 
 
@@ -263,14 +264,14 @@ def rivals() -> list[str]:
     return [name for name in methods.compared() if name != RBS.name]
 
 
-def time_methods(rows: Rows, family, n, q, k, selector) -> None:
-    """Each method's whole `select` on the same q and k (`kind=method`): RBS's as calibrated,
-    and each of `rivals()` calibrated to the same measured density (input checks, block
-    statistics, scoring and compaction included, as a layer calls it), with its ms over RBS's.
+def time_methods(rows: Rows, family, n, q, k, selector, density: float) -> None:
+    """Each method's whole `select` on the same q and k (`kind=method`): RBS's as calibrated
+    (`density`: its measured density), and each of `rivals()` calibrated to it (input checks,
+    block statistics, scoring and compaction included, as a layer calls it), with its ms over
+    RBS's.
     A rival that fails (no knob value reaches the density) is reported and skipped."""
     from rbs_bench.bench.attention import calibrate, do_bench
 
-    density = selector.select(q, k).density()
     base = do_bench(lambda: selector.select(q, k), 100)
     rows.add(kind="method", inputs=family, n=n, pattern=RBS.name, config=RBS.name, ms=base,
              density=density, x_rbs=1.0)  # fmt: skip
