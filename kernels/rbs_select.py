@@ -784,6 +784,7 @@ def _launch(
     log2_alphas = [log2a(a) for a, on in ((alpha_base, base), (alpha_rescue, rescue)) if on]
     # the one-offset scores resolve thresholds down to about 2^-60 below the row maximum
     fast = fast and all(a >= -50 or a == -math.inf for a in log2_alphas)
+    two_pass = two_pass and not fast  # fast keeps its one offset per row
     block_k = min(block_k, max(16, triton.next_power_of_2(m)))
     block_m = max(block_k, triton.next_power_of_2(m))
     block_d = max(16, triton.next_power_of_2(d))
@@ -868,11 +869,11 @@ def _launch(
         RESCUE=rescue,
         DOT_F32=dot_f32,
         FAST=1 if fast else (2 if fast_log else 0),
-        TWO_PASS=two_pass and not fast,
+        TWO_PASS=two_pass,
         STATS=stats is not None,
         CALL=call,
         OFF_MEAN=offset == "mean",
-        BOUND=rescue_bound and base and rescue and not (two_pass and not fast),
+        BOUND=rescue_bound and base and rescue and not two_pass,
         BLOCK_Q=max(16, triton.next_power_of_2(block_size)),
         BLOCK_K=block_k,
         BLOCK_D=block_d,
