@@ -358,6 +358,47 @@ def test_kernel_grouped_fused_and_int64_offsets():
 
 @kernel_test
 @fp8_kernel_test
+@pytest.mark.parametrize(
+    "counts, tail, n, k",
+    [
+        ([3, 0, 40, 0, 1, 129], 2, 128, 256),  # empty experts, partial tiles, a tail
+        ([0, 0, 0], 3, 128, 128),  # no expert gets a row: all zeros
+        ([37, 64, 1, 0, 90, 33, 7, 2], 0, 256, 384),
+    ],
+)
+def test_kernel_tma_form_matches_the_pointer_kernel(counts, tail, n, k):
+    """The persistent TMA form (forced) against the pointer kernel and the reference, grouped
+    and 2-d: its row tiles start at each expert's rows and read past them, so uneven experts,
+    empty ones and rows past the last are the awkward cases."""
+    wq, s = quantized_weight((len(counts), n, k), (128, 128), seed=n + k, device=DEVICE)
+    x, offsets = routed(counts, tail, k, torch.float16, seed=k)
+    ref32 = fp8_grouped_linear_ref(x.float(), wq, s, offsets, (128, 128))
+    tma = fp8_gemm._launch(x, wq, s, (128, 128), offsets, tma=True)
+    ptr = fp8_gemm._launch(x, wq, s, (128, 128), offsets, tma=False)
+    err = lambda y: float((y.float() - ref32).norm() / ref32.norm().clamp_min(1e-30))  # noqa: E731
+    assert err(tma) <= 2 * err(ptr) + 1e-6, (err(tma), err(ptr))
+    start = sum(counts)
+    assert bool((tma[start:] == 0).all()), "rows past the last expert must be zeros"
+    flat = fp8_gemm._launch(x, wq[0], s[0], (128, 128), tma=True)
+    ref2 = fp8_linear_ref(x, wq[0], s[0], (128, 128), out_dtype=torch.float32)
+    ptr2 = fp8_gemm._launch(x, wq[0], s[0], (128, 128), tma=False)
+    assert float((flat.float() - ref2).norm()) <= 2 * float((ptr2.float() - ref2).norm()) + 1e-6
+
+
+@kernel_test
+@fp8_kernel_test
+def test_kernel_tma_form_refuses_what_it_cannot_compute():
+    wq, s = quantized_weight((72, 256), (128, 128), device=DEVICE)  # N not a multiple of the tile
+    x = activations(5, 256, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="TMA form needs"):
+        fp8_gemm._launch(x, wq, s, (128, 128), tma=True)
+    want = fp8_linear_ref(x, wq, s, (128, 128), out_dtype=torch.float32)
+    got = fp8_gemm._launch(x, wq, s, (128, 128))  # auto: the pointer kernel
+    assert_rows_close(got, want, x.double() @ dequantize_weight_ref(wq, s, (128, 128)).double().T)
+
+
+@kernel_test
+@fp8_kernel_test
 def test_kernel_batched_matches_reference():
     e, n, k = 6, 64, 256
     wq, s = quantized_weight((e, n, k), (128, 128), device=DEVICE)

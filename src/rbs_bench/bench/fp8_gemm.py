@@ -27,7 +27,9 @@ with the dequantised weight) and, for the experts, PyTorch's grouped GEMM (`F.gr
 `torch._grouped_mm`, the weight as transformers passes it, a transposed [E, K, N] view) on the
 same rows, and where cuBLAS takes the experts' shape its per-expert loop
 (`fp8_cublas_grouped`, `cublas_grouped_linear`) beside the grouped Triton product
-(`fp8_triton`); for the plain layers also
+(`fp8_triton`); where the Triton products run in the persistent TMA form (Hopper), the pointer
+kernel beside it (`fp8_gemm_pointer`, and `fp8_triton_pointer` for the block); for the plain
+layers also
 cuBLAS's fp8 product with one scale per tensor (`torch._scaled_mm`, `fp8_cublas_tensorwise`): a
 ceiling for the rate, not the same function. TFLOP/s count 2 M N K.
 
@@ -173,6 +175,10 @@ def time_linear(name, tokens, rep_ms) -> dict:
     ms["fp8"], configs["config"] = bench_tuned(lambda: fk.fp8_linear(x, wq, s, BLOCK), rep_ms)
     ms["fp8_quant"] = do_bench(lambda: fk.fp8_act_quant(x, 128), rep_ms)
     ms["fp8_gemm"] = do_bench(lambda: fk._launch(x, wq, s, BLOCK, quantized=quantized), rep_ms)
+    if _tma_applies(quantized[0], wq):
+        ms["fp8_gemm_pointer"] = do_bench(
+            lambda: fk._launch(x, wq, s, BLOCK, quantized=quantized, tma=False), rep_ms
+        )
     ms["fp8_fused"], configs["config_fused"] = bench_tuned(
         lambda: fk._launch(x, wq, s, BLOCK, fused=True), rep_ms
     )
@@ -225,6 +231,10 @@ def time_grouped(name, tokens, rep_ms) -> dict:
     ms["fp8_gemm"] = do_bench(
         lambda: fk._launch(x, wq, s, BLOCK, offsets, quantized=quantized), rep_ms
     )
+    if _tma_applies(quantized[0], wq):
+        ms["fp8_gemm_pointer"] = do_bench(
+            lambda: fk._launch(x, wq, s, BLOCK, offsets, quantized=quantized, tma=False), rep_ms
+        )
     ms["fp8_fused"], configs["config_fused"] = bench_tuned(
         lambda: fk._launch(x, wq, s, BLOCK, offsets, fused=True), rep_ms
     )
@@ -283,12 +293,10 @@ def experts_unfused(x, index, weights, gu, gu_s, dn, dn_s, grouped=None):
 
 
 @contextlib.contextmanager
-def experts_on_cublas(on: bool):
-    """The experts' products on cuBLAS (where `fp8_moe` takes them) or on Triton, for the block;
-    the caller's own RBS_BENCH_FP8_CUBLAS_GROUPED comes back after it."""
-    name = "RBS_BENCH_FP8_CUBLAS_GROUPED"
+def _env(name: str, value: str):
+    """`name` set to `value` for the block; the caller's own value comes back after it."""
     before = os.environ.get(name)
-    os.environ[name] = "1" if on else "0"
+    os.environ[name] = value
     try:
         yield
     finally:
@@ -296,6 +304,17 @@ def experts_on_cublas(on: bool):
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+def experts_on_cublas(on: bool):
+    """The experts' products on cuBLAS (where `fp8_moe` takes them) or on Triton, for the block."""
+    return _env("RBS_BENCH_FP8_CUBLAS_GROUPED", "1" if on else "0")
+
+
+def tma_off():
+    """The Triton products on the pointer kernel instead of the persistent TMA form, for the
+    block (`kernels.fp8_gemm._tma_config`)."""
+    return _env("RBS_BENCH_FP8_TMA", "0")
 
 
 def check_experts(tokens, variant) -> dict:
@@ -338,6 +357,9 @@ def time_experts(tokens, rep_ms) -> dict:
     with experts_on_cublas(False):
         ms["fp8_triton"] = do_bench(lambda: fp8_moe_experts(*args, BLOCK), rep_ms)
         ms["fp8_unfused_triton"] = do_bench(lambda: experts_unfused(*args), rep_ms)
+        if _tma_applies(args[0], args[3]):
+            with tma_off():
+                ms["fp8_triton_pointer"] = do_bench(lambda: fp8_moe_experts(*args, BLOCK), rep_ms)
     ms["fp8_unfused"] = do_bench(lambda: experts_unfused(*args), rep_ms)
     if grouped_mm() is not None:
         w = [
@@ -353,6 +375,16 @@ def time_experts(tokens, rep_ms) -> dict:
     from rbs_bench.tables.blocks_kernels import BF16_BASELINES
 
     return _time_row(ms, flops, next((b for b in BF16_BASELINES if b in ms), None))
+
+
+def _tma_applies(x, wq) -> bool:
+    """Whether the Triton products of these operands run in the TMA form (then the pointer
+    kernel is timed beside it): x's rows and the weight as quantised operands would be."""
+    xq = torch.empty(1, x.shape[-1], dtype=fk.FP8_DTYPE, device=x.device)
+    return (
+        fk._tma_config(xq, wq, wq.shape[-2], x.shape[-1], BLOCK, False, None, None, None)
+        is not None
+    )
 
 
 def _time_row(ms: dict, flops: float, baseline: str | None) -> dict:
