@@ -322,8 +322,28 @@ def _fp8_gemm_table(src: Sources, gpu: str) -> str:
             else "This run made no checks (`--no-checks`); tests/kernels/test_fp8_gemm.py "
             "compares every path with the reference on the GPU. "
         )
+        + _tma_sentence(times)
     )
     return md_table(head, rows) + "\n" + note + sources_line(src, [path]) + "\n"
+
+
+def _tma_sentence(times: pd.DataFrame) -> str:
+    """The Triton products in the persistent TMA form against the pointer kernel, where the run
+    timed both (`ms_fp8_gemm_pointer`; the block on Triton: `ms_fp8_triton_pointer`)."""
+    pairs = []
+    for _, r in times.iterrows():
+        for tma, ptr, what in (
+            ("ms_fp8_gemm", "ms_fp8_gemm_pointer", r["layer"]),
+            ("ms_fp8_triton", "ms_fp8_triton_pointer", "the experts block on Triton"),
+        ):
+            if pd.notna(r.get(ptr)) and pd.notna(r.get(tma)):
+                pairs.append(f"{what} {r[tma]:.2f} ms against {r[ptr]:.2f}")
+    if not pairs:
+        return ""
+    return (
+        "The Triton products in the persistent TMA form, against the pointer kernel on the same "
+        "rows: " + "; ".join(pairs) + ". "
+    )
 
 
 @block("moe_passes_h200")
