@@ -500,8 +500,11 @@ def test_gpu_cublas_linear_on_hopper(m, n, k):
 @pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
 @pytest.mark.parametrize("tokens", [1, 129, 1000])
 @pytest.mark.parametrize("n, k", [(1536, 2048), (2048, 768)])
-def test_gpu_grouped_bf16_experts(tokens, n, k):
-    """128 experts, top-8 routing of `tokens` tokens (most experts get a few rows or none)."""
+@pytest.mark.parametrize("tma", ["1", "0"])
+def test_gpu_grouped_bf16_experts(tokens, n, k, tma, monkeypatch):
+    """128 experts, top-8 routing of `tokens` tokens (most experts get a few rows or none), in
+    the persistent TMA form (on Hopper; the pointer kernel elsewhere) and in the pointer kernel."""
+    monkeypatch.setenv("RBS_BENCH_FP8_TMA", tma)
     e, top = 128, 8
     wq, s = quantized_weight((e, n, k), (128, 128), seed=tokens, device="cuda")
     gen = torch.Generator().manual_seed(tokens)
