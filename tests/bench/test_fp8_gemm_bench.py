@@ -165,3 +165,18 @@ def test_the_compiled_bf16_experts_block_computes_the_eager_one():
     own = (eager - exact).norm() / exact.norm()
     assert 0 < own < 0.02
     assert (got - exact).norm() / exact.norm() <= 2 * own
+
+
+def test_a_time_row_names_what_the_layers_product_ran_on(monkeypatch):
+    """The `config` column: cuBLAS, the TMA form with its launch setting, or (the pointer
+    kernel) the autotuner's choice, which `bench_tuned` reads itself."""
+    wq, s = bench.quantized_weight((256, 256), seed=0, device="cpu")
+    x = bench.activations(8, 256, seed=1, device="cpu")
+    assert bench.runs_on(x, wq, cublas=True) == "cuBLAS"
+    assert bench.runs_on(x, wq, cublas=False) == ""  # a CPU tensor: never the TMA form
+    monkeypatch.setattr(fk, "_tma_config", lambda *args: fk.TMA_CONFIG)
+    assert bench.runs_on(x, wq, cublas=False) == f"TMA form {fk.TMA_CONFIG}"
+    monkeypatch.setattr(bench, "do_bench", lambda fn, rep_ms: 1.5)
+    calls = []
+    assert bench.bench_tuned(lambda: calls.append(1), 10, "cuBLAS") == (1.5, "cuBLAS")
+    assert calls == [1]  # run once before timing, as a tuning run would be

@@ -158,11 +158,22 @@ def grouped_mm():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
-def bench_tuned(fn, rep_ms: int) -> tuple[float, str]:
-    """(median ms, the autotuner's configuration for this call's shape)."""
+def bench_tuned(fn, rep_ms: int, runs_on: str = "") -> tuple[float, str]:
+    """(median ms, what ran: `runs_on` where the product is not the autotuned pointer kernel,
+    else the autotuner's configuration for this call's shape)."""
     fn()  # tunes on the first call of a shape
+    if runs_on:
+        return do_bench(fn, rep_ms), runs_on
     tuned = fk._tuned_gemm(fk.tuning_space(torch.device(DEVICE)), 128)
     return do_bench(fn, rep_ms), str(getattr(tuned, "best_config", ""))
+
+
+def runs_on(x, wq, cublas: bool) -> str:
+    """What a layer's FP8 product runs on when it is not the autotuned pointer kernel: cuBLAS,
+    or the TMA form with its one launch setting ("" for the pointer kernel)."""
+    if cublas:
+        return "cuBLAS"
+    return f"TMA form {fk.TMA_CONFIG}" if _tma_applies(x, wq) else ""
 
 
 def time_linear(name, tokens, rep_ms) -> dict:
@@ -172,7 +183,10 @@ def time_linear(name, tokens, rep_ms) -> dict:
     w_bf16 = fk.dequantize_weight_ref(wq, s, BLOCK).to(torch.bfloat16)
     quantized = fk.fp8_act_quant(x, 128)
     ms, configs = {}, {}
-    ms["fp8"], configs["config"] = bench_tuned(lambda: fk.fp8_linear(x, wq, s, BLOCK), rep_ms)
+    cublas = fk._use_cublas(x, wq, BLOCK, None, x.dtype)
+    ms["fp8"], configs["config"] = bench_tuned(
+        lambda: fk.fp8_linear(x, wq, s, BLOCK), rep_ms, runs_on(x, wq, cublas)
+    )
     ms["fp8_quant"] = do_bench(lambda: fk.fp8_act_quant(x, 128), rep_ms)
     ms["fp8_gemm"] = do_bench(lambda: fk._launch(x, wq, s, BLOCK, quantized=quantized), rep_ms)
     if _tma_applies(quantized[0], wq):
@@ -224,8 +238,9 @@ def time_grouped(name, tokens, rep_ms) -> dict:
     x = activations(tokens * TOP_K, k, seed=tokens)
     quantized = fk.fp8_act_quant(x, 128)
     ms, configs = {}, {}
+    cublas = fk._use_cublas_grouped(x, wq, BLOCK)
     ms["fp8"], configs["config"] = bench_tuned(
-        lambda: fk.fp8_grouped_linear(x, wq, s, offsets, BLOCK), rep_ms
+        lambda: fk.fp8_grouped_linear(x, wq, s, offsets, BLOCK), rep_ms, runs_on(x, wq, cublas)
     )
     ms["fp8_quant"] = do_bench(lambda: fk.fp8_act_quant(x, 128), rep_ms)
     ms["fp8_gemm"] = do_bench(
