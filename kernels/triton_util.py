@@ -174,8 +174,12 @@ class ChoiceStore:
         parts = [triton.__version__, str(getattr(fn, "cache_key", fn)), gpu, str(tuned)]
         digest = hashlib.sha256("|".join(parts + [str(c) for c in self.configs]).encode())
         knobs = getattr(triton, "knobs", None)
-        root = knobs.cache.dir if knobs is not None else os.environ.get(
-            "TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache")
+        root = (
+            knobs.cache.dir
+            if knobs is not None
+            else os.environ.get(
+                "TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache")
+            )
         )
         name = getattr(fn, "__name__", "kernel")[:80]
         return Path(root) / "rbs_bench_autotune" / f"{name}-{digest.hexdigest()[:32]}.json"

@@ -79,7 +79,7 @@ class Cell:
         if len(name.encode()) <= LOG_NAME_BYTES:
             return name
         digest = hashlib.sha1(name.encode()).hexdigest()[:10]
-        return f"{name.encode()[:LOG_NAME_BYTES - 11].decode(errors='ignore')}_{digest}"
+        return f"{name.encode()[: LOG_NAME_BYTES - 11].decode(errors='ignore')}_{digest}"
 
 
 CELL_KEYS = ("method", "budget", "budget.target", "method.block_size", "rbs_thresholds")

@@ -314,6 +314,7 @@ def test_a_calibration_warms_up_once_per_model_and_length_before_its_clock(tmp_p
 
     warmed = []
     monkeypatch.setattr(session_mod, "warm_up", lambda loaded, sample: warmed.append(sample))
+
     class Tok:
         def __call__(self, text, **kw):
             return SimpleNamespace(input_ids=torch.zeros(1, len(text), dtype=torch.long))

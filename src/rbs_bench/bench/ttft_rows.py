@@ -43,9 +43,7 @@ from rbs_bench import methods
 from rbs_bench.bench.ttft_setup import Settings
 from rbs_bench.records import write_atomic
 
-KEY = (
-    "model", "layers", "dtype", "batch", "n", "method", "target", "ffn_chunk_tokens", "compile"
-)
+KEY = ("model", "layers", "dtype", "batch", "n", "method", "target", "ffn_chunk_tokens", "compile")
 
 
 def _chunk_key(value) -> int:
