@@ -637,7 +637,8 @@ def _launch(
 
     fused: quantise x inside the product (dynamic scales only); config: (BLOCK_M, BLOCK_N,
     num_warps, num_stages) of the pointer kernel instead of the autotuner's choice, or
-    (BLOCK_M, BLOCK_N, num_warps, num_stages, flatten) of the TMA form; quantized:
+    (BLOCK_M, BLOCK_N, num_warps, num_stages, flatten) of the TMA form (which then runs, or
+    raises where it cannot, whatever `tma` says); quantized:
     `fp8_act_quant(x)` already computed (to time the product alone); tma: the persistent TMA form
     (`_tma_config`) where it applies (None), always (True: an error where it cannot), or never.
     """
@@ -662,7 +663,9 @@ def _launch(
     w3, s3 = (weight, scales) if grouped else (weight[None], scales[None])
     e = w3.shape[0]
     offs = offsets.to(torch.int32) if grouped else a_s  # never read in the 2-d form
-    if config is None or len(config) == 5:
+    tma_setting = config is not None and len(config) == 5  # never falls through to pointers
+    if config is None or tma_setting:
+        tma = True if tma_setting else tma
         tma_config = _tma_config(a, w3, n, k, block_size, fused, activation_scale, tma, config)
         if tma_config is not None:
             with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():

@@ -394,6 +394,8 @@ def test_kernel_tma_form_refuses_what_it_cannot_compute():
     x = activations(5, 256, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match="TMA form needs"):
         fp8_gemm._launch(x, wq, s, (128, 128), tma=True)
+    with pytest.raises(ValueError, match="TMA form needs"):  # a TMA launch setting, too
+        fp8_gemm._launch(x, wq, s, (128, 128), config=fp8_gemm.TMA_INTERPRET_CONFIG)
     want = fp8_linear_ref(x, wq, s, (128, 128), out_dtype=torch.float32)
     got = fp8_gemm._launch(x, wq, s, (128, 128))  # auto: the pointer kernel
     assert_rows_close(got, want, x.double() @ dequantize_weight_ref(wq, s, (128, 128)).double().T)
