@@ -269,18 +269,48 @@ def _e4m3_rne(x):
 
 @jit
 def _dynamic_scales(x):
-    """The per-row scales of a [rows, group] fp32 tile: max |x| / 448, floored at 1e-10 / 448."""
-    return tl.maximum(tl.max(tl.abs(x), 1), 1e-10) / 448.0
+    """The per-row scales of a [rows, group] fp32 tile: max |x| / 448, floored at 1e-10 / 448
+    (IEEE division, as torch divides)."""
+    return tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-10), 448.0)
 
 
 @jit
 def _to_e4m3(x, s, ROUND: tl.constexpr):
     """A [rows, group] fp32 tile over its per-row scales s, clamped to +-448, as e4m3 (ROUND:
-    rounded to the e4m3 grid in fp32 first, for the interpreter; on a GPU the cast rounds)."""
-    y = tl.minimum(tl.maximum(x / s[:, None], -448.0), 448.0)
+    rounded to the e4m3 grid in fp32 first, for the interpreter; on a GPU the cast rounds). The
+    division is IEEE's, as torch's: fp32 `/` on a GPU is approximate, and a quotient one ulp off
+    can round to the other e4m3 neighbour of a near-tie, 6% of that value."""
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, s[:, None]), -448.0), 448.0)
     if ROUND:
         y = _e4m3_rne(y)
     return y.to(tl.float8e4nv)
+
+
+@jit
+def _expert_segments(Offsets, M, n_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """The grouped products' row segments, [E_PAD] each: segment e < E is expert e's rows
+    [offsets[e - 1], offsets[e]), segment E the rows past offsets[-1] (up to M); (seg, starts,
+    ends, tiles: BLOCK_M row tiles per segment, cum: their inclusive running sum)."""
+    seg = tl.arange(0, E_PAD)
+    is_real = seg < n_experts
+    ends = tl.load(Offsets + seg, mask=is_real, other=0)
+    starts = tl.load(Offsets + seg - 1, mask=is_real & (seg > 0), other=0)
+    last = tl.load(Offsets + n_experts - 1)
+    ends = tl.minimum(tl.where(seg == n_experts, M, ends), M)
+    starts = tl.minimum(tl.where(seg == n_experts, last, starts), M)
+    tiles = tl.where(seg <= n_experts, tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M), 0)
+    return seg, starts, ends, tiles, tl.cumsum(tiles, 0)
+
+
+@jit
+def _tile_rows(seg, starts, ends, tiles, cum, pid_m, BLOCK_M: tl.constexpr):
+    """Row tile pid_m (< sum(tiles)) of `_expert_segments`: (its segment e, first row, the
+    segment's end row)."""
+    e = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    own = seg == e
+    first_tile = tl.sum(tl.where(own, cum - tiles, 0), 0)
+    row0 = tl.sum(tl.where(own, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M
+    return e, row0, tl.sum(tl.where(own, ends, 0), 0)
 
 
 @jit
@@ -376,25 +406,11 @@ def _fp8_gemm_kernel(
     pid_n = (pid % width) // group_rows
 
     k_tiles = tl.cdiv(K, BLOCK_K)
-    if GROUPED:
-        # segment e < E: expert e's rows [offsets[e - 1], offsets[e]); segment E: the rows past
-        # offsets[-1], written as zeros (no K loop)
-        seg = tl.arange(0, E_PAD)
-        is_real = seg < n_experts
-        ends = tl.load(Offsets + seg, mask=is_real, other=0)
-        starts = tl.load(Offsets + seg - 1, mask=is_real & (seg > 0), other=0)
-        last = tl.load(Offsets + n_experts - 1)
-        ends = tl.minimum(tl.where(seg == n_experts, M, ends), M)
-        starts = tl.minimum(tl.where(seg == n_experts, last, starts), M)
-        tiles = tl.where(seg <= n_experts, tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M), 0)
-        cum = tl.cumsum(tiles, 0)  # inclusive
+    if GROUPED:  # the rows past offsets[-1] (segment E) are written as zeros (no K loop)
+        seg, starts, ends, tiles, cum = _expert_segments(Offsets, M, n_experts, BLOCK_M, E_PAD)
         if pid_m >= tl.sum(tiles, 0):
             return
-        e = tl.sum((cum <= pid_m).to(tl.int32), 0)
-        own = seg == e
-        first_tile = tl.sum(tl.where(own, cum - tiles, 0), 0)
-        row0 = tl.sum(tl.where(own, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M
-        row_end = tl.sum(tl.where(own, ends, 0), 0)
+        e, row0, row_end = _tile_rows(seg, starts, ends, tiles, cum, pid_m, BLOCK_M)
         k_tiles = tl.where(e < n_experts, k_tiles, 0)
         e64 = tl.minimum(e, n_experts - 1).to(tl.int64)
     else:
@@ -486,15 +502,7 @@ def _fp8_gemm_tma_kernel(
     num_pid_n = N // BLOCK_N
     k_tiles = K // BLOCK_K
     if GROUPED:
-        seg = tl.arange(0, E_PAD)
-        is_real = seg < n_experts
-        ends = tl.load(Offsets + seg, mask=is_real, other=0)
-        starts = tl.load(Offsets + seg - 1, mask=is_real & (seg > 0), other=0)
-        last = tl.load(Offsets + n_experts - 1)
-        ends = tl.minimum(tl.where(seg == n_experts, M, ends), M)
-        starts = tl.minimum(tl.where(seg == n_experts, last, starts), M)
-        tiles = tl.where(seg <= n_experts, tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M), 0)
-        cum = tl.cumsum(tiles, 0)  # inclusive
+        seg, starts, ends, tiles, cum = _expert_segments(Offsets, M, n_experts, BLOCK_M, E_PAD)
         num_pid_m = tl.sum(tiles, 0)
     else:
         num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -506,11 +514,7 @@ def _fp8_gemm_tma_kernel(
         pid_m = first_m + (tile % width) % group_rows
         pid_n = (tile % width) // group_rows
         if GROUPED:
-            e = tl.sum((cum <= pid_m).to(tl.int32), 0)
-            own = seg == e
-            first_tile = tl.sum(tl.where(own, cum - tiles, 0), 0)
-            row0 = tl.sum(tl.where(own, starts, 0), 0) + (pid_m - first_tile) * BLOCK_M
-            row_end = tl.sum(tl.where(own, ends, 0), 0)
+            e, row0, row_end = _tile_rows(seg, starts, ends, tiles, cum, pid_m, BLOCK_M)
             e_w = tl.minimum(e, n_experts - 1)
         else:
             e = 0

@@ -9,7 +9,13 @@ Tolerance, per token: ||kernel - ref|| <= 2 ||round(ref) - ref|| + 0.05 ||ref - 
 truth is the fp64 computation without any quantisation (the dequantised weights, unquantised
 activations): the kernels quantise the same values as the reference, and a last-bit difference
 in the gate (the two exp implementations) may move one e4m3 value of the down product's input to
-its neighbour, a small fraction of the quantisation's own error.
+its neighbour, a small fraction of the quantisation's own error. On a GPU the tensor cores'
+accumulation (`test_fp8_gemm.ACCUMULATION`) moves gate_up's products by far more than a last
+bit, and every gate value it carries across an e4m3 midpoint moves by 6%: the whole output is
+then no longer within 5% of the quantisation's error of the reference's. So the kernels are also
+checked stage by stage, the only check on a GPU (`check_stages`): gate_up's products against the
+reference's on the same rows, then the output against the reference's down, gate and sum of the
+kernel's own gate_up products, each within the bound plus the accumulation term.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from rbs_bench.kernels.fp8_gemm import (
     act_quant_ref,
     dequantize_weight_ref,
     fp8_act_quant,
+    fp8_grouped_linear_ref,
     fp8_linear_ref,
 )
 from rbs_bench.kernels.fp8_moe import (
@@ -33,8 +40,17 @@ from rbs_bench.kernels.fp8_moe import (
     gather_quantised_ref,
     silu_gate_ref,
 )
+from rbs_bench.kernels.moe_combine import moe_combine_ref
 from rbs_bench.kernels.triton_util import INTERPRET, triton_available
-from test_fp8_gemm import FP8_GPU, activations, fp8_kernel_test, quantized_weight
+from test_fp8_gemm import (
+    ACCUMULATION,
+    FP8_GPU,
+    activations,
+    assert_rows_close,
+    exact_products,
+    fp8_kernel_test,
+    quantized_weight,
+)
 
 
 def routes(n, k, experts, seed=0, empty=(), device="cpu"):
@@ -186,14 +202,15 @@ def test_bad_inputs_one_line():
 # ---------------------------------------------------------------- kernels vs reference
 
 
-def assert_tokens_close(got, ref, truth):
-    """`test_fp8_gemm.assert_rows_close`'s rule per token: a non-finite value in got fails the
-    token (NaN compares false), one in ref or truth the test."""
+def assert_tokens_close(got, ref, truth, slack=0.0):
+    """`test_fp8_gemm.assert_rows_close`'s rule per token, plus `slack` per token: a non-finite
+    value in got fails the token (NaN compares false), one in ref or truth the test."""
     ref64 = ref.double()
     assert bool(torch.isfinite(ref64).all() and torch.isfinite(truth).all()), "reference not finite"
     err = (got.double() - ref64).norm(dim=-1)
     rounding = (ref.float().to(got.dtype).double() - ref64).norm(dim=-1)
     tol = 2 * rounding + 0.05 * (ref64 - truth).norm(dim=-1) + 1e-6 * ref64.norm(dim=-1) + 1e-30
+    tol = tol + slack
     bad = ~(err <= tol)
     assert not bool(bad.any()), (
         f"{int(bad.sum())} of {bad.numel()} tokens off; worst {float((err / tol).max()):.3g}x tol"
@@ -217,8 +234,39 @@ def test_kernel_matches_reference(n, k, experts, hidden, inter, dtype, empty, x_
     got = fp8_moe_experts(*args)
     assert got.shape == args[0].shape and got.dtype == dtype
     ref = fp8_moe_experts_ref(*args)
-    cpu = [a.cpu() for a in args]
-    assert_tokens_close(got.cpu(), ref.cpu(), truth_of(*cpu))
+    if DEVICE != "cuda":
+        cpu = [a.cpu() for a in args]
+        assert_tokens_close(got.cpu(), ref.cpu(), truth_of(*cpu))
+    check_stages(got, *args)
+
+
+def check_stages(got, x, index, weights, gu, gu_s, dn, dn_s):
+    """The kernels' output stage by stage (the module docstring says why): gate_up's products h
+    on the Triton path, as `fp8_moe_experts` computes them for these row counts, against the
+    reference's; then got against the reference's down, gate and weighted sum of that h."""
+    layout = expert_rows(index, gu.shape[0])
+    assert not fp8_moe._use_cublas(index.numel(), x, gu, dn, (128, 128))
+    xq, xs = fp8_moe.gather_quant(x, layout, blocked=False)
+    h = fp8_moe._triton_products(xq, xs, gu, gu_s.float(), layout, (128, 128), x.dtype)
+    live = layout.src >= 0
+    rows_x = torch.where(live[:, None], x[layout.src.long().clamp_min(0)], 0)
+    ends = layout.ends.tolist()
+    experts = [slice(lo, hi) for lo, hi in zip([0, *ends[:-1]], ends)]
+    h_ref = fp8_grouped_linear_ref(rows_x.float(), gu, gu_s, layout.ends)
+    wg = dequantize_weight_ref(gu, gu_s, (128, 128))
+    truth, magnitude = exact_products(rows_x, wg, experts)
+    assert_rows_close(h[live], h_ref[live], truth[live], magnitude[live])
+    a = silu_gate_ref(h)
+    tail = moe_combine_ref(
+        fp8_grouped_linear_ref(a, dn, dn_s, layout.ends), layout.pos, weights.to(x.dtype)
+    )
+    wd = dequantize_weight_ref(dn, dn_s, (128, 128))
+    y, y_mag = exact_products(a, wd, experts)
+    w = weights.double()[..., None]
+    pos = layout.pos.long()
+    truth_out, mag_out = (w * y[pos]).sum(1), (w * y_mag[pos]).sum(1)
+    slack = ACCUMULATION * mag_out.norm(dim=-1)
+    assert_tokens_close(got.cpu(), tail.cpu(), truth_out.cpu(), slack.cpu())
 
 
 @kernel_test
