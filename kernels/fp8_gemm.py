@@ -117,7 +117,10 @@ def act_quant_ref(
     groups = math.ceil(k / group)
     xf = torch.nn.functional.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
     if activation_scale is None:
-        s = xf.abs().amax(-1).clamp_min(AMAX_FLOOR) / FP8_MAX  # [M, G]
+        amax = xf.abs().amax(-1).clamp_min(AMAX_FLOOR)  # [M, G]
+        # divided by a tensor: on CUDA torch multiplies by the reciprocal of a Python scalar,
+        # which can differ from the quotient in the last bit; the kernels divide (IEEE)
+        s = amax / torch.full_like(amax, FP8_MAX)
     else:
         s = activation_scale.float().reshape(1, 1).expand(m, groups)
     q = (xf / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)

@@ -324,14 +324,17 @@ def _score_row(
             lse_b = tl.where(cand, _lse(x, off, EXACT), float("-inf"))
             tl.store(S0 + ids, lse_b, mask=cand)
             top_b = tl.maximum(top_b, tl.max(lse_b, 0))
-        bounded = False
         if BOUND:
             ub = tl.where(cand, lse_b + u * qn_max, float("-inf"))
             lb_r = tl.maximum(lb_r, tl.max(tl.where(cand, lse_b + u * qn_min, float("-inf")), 0))
-            bounded = tl.max(ub, 0) < tl.maximum(top_r, lb_r) + log2_alpha_rescue - BOUND_SLACK
-            lse_r = ub  # stored if bounded: below the final threshold and maximum
-            n_bound += tl.where(bounded, tl.sum(cand.to(tl.int32), 0), 0)
-        if not bounded:  # top_r stays exact: a bounded tile cannot hold the maximum
+            if tl.max(ub, 0) < tl.maximum(top_r, lb_r) + log2_alpha_rescue - BOUND_SLACK:
+                lse_r = ub  # below the final threshold and maximum: top_r stays exact
+                n_bound += tl.sum(cand.to(tl.int32), 0)
+            else:
+                lse_r = _lse(x + u[:, None] * q_norm[None, :], off, EXACT)
+                lse_r = tl.where(cand, lse_r, float("-inf"))
+                top_r = tl.maximum(top_r, tl.max(lse_r, 0))
+        else:
             lse_r = _lse(x + u[:, None] * q_norm[None, :], off, EXACT)
             lse_r = tl.where(cand, lse_r, float("-inf"))
             top_r = tl.maximum(top_r, tl.max(lse_r, 0))
