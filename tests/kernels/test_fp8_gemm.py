@@ -337,9 +337,9 @@ def test_e4m3_rounding_matches_torch():
     assert torch.equal(q.cpu().float(), want.float())
 
 
-def expert_slices(counts):
-    """Each expert's rows of the sorted layout, as slices."""
-    ends = torch.tensor(counts).cumsum(0).tolist()
+def expert_slices(offsets):
+    """Each expert's rows of the sorted layout, as slices, from the cumulative row ends."""
+    ends = offsets.tolist()
     return [slice(lo, hi) for lo, hi in zip([0, *ends[:-1]], ends)]
 
 
@@ -368,7 +368,7 @@ def test_kernel_grouped_matches_reference(counts, tail, n, k, dtype):
     got = fp8_grouped_linear(x, wq, s, offsets, (128, 128))
     assert got.dtype == dtype and got.shape == (x.shape[0], n)
     ref32 = fp8_grouped_linear_ref(x.float(), wq, s, offsets, (128, 128))
-    rows = expert_slices(counts)
+    rows = expert_slices(offsets)
     w = dequantize_weight_ref(wq, s, (128, 128))
     assert_rows_close(got, ref32, *exact_products(x, w, rows))
     assert bool((got[sum(counts) :] == 0).all()), "rows past the last expert must be zeros"
@@ -543,7 +543,7 @@ def test_gpu_grouped_bf16_experts(tokens, n, k, tma, monkeypatch):
     x, offsets = routed(counts, 0, k, torch.bfloat16, seed=tokens)
     got = fp8_grouped_linear(x, wq, s, offsets, (128, 128))
     ref32 = fp8_grouped_linear_ref(x.float(), wq, s, offsets, (128, 128))
-    rows = expert_slices(counts)
+    rows = expert_slices(offsets)
     w = dequantize_weight_ref(wq, s, (128, 128))
     assert_rows_close(got, ref32, *exact_products(x, w, rows))
 
@@ -570,7 +570,7 @@ def test_gpu_cublas_grouped_linear_on_hopper(counts, tail):
     got = fp8_gemm.cublas_grouped_linear(x, wq, s, offsets, torch.bfloat16)
     assert got.shape == (x.shape[0], n) and got.is_contiguous()
     ref32 = fp8_grouped_linear_ref(x.float(), wq, s, offsets, (128, 128))
-    rows = expert_slices(counts)
+    rows = expert_slices(offsets)
     for i, r in enumerate(rows):
         if r.stop > r.start:
             alone = fp8_gemm.cublas_linear(x[r], wq[i], s[i], torch.bfloat16)

@@ -48,6 +48,7 @@ from test_fp8_gemm import (
     activations,
     assert_rows_close,
     exact_products,
+    expert_slices,
     fp8_kernel_test,
     quantized_weight,
 )
@@ -250,8 +251,7 @@ def check_stages(got, x, index, weights, gu, gu_s, dn, dn_s):
     h = fp8_moe._triton_products(xq, xs, gu, gu_s.float(), layout, (128, 128), x.dtype)
     live = layout.src >= 0
     rows_x = torch.where(live[:, None], x[layout.src.long().clamp_min(0)], 0)
-    ends = layout.ends.tolist()
-    experts = [slice(lo, hi) for lo, hi in zip([0, *ends[:-1]], ends)]
+    experts = expert_slices(layout.ends)
     h_ref = fp8_grouped_linear_ref(rows_x.float(), gu, gu_s, layout.ends)
     wg = dequantize_weight_ref(gu, gu_s, (128, 128))
     truth, magnitude = exact_products(rows_x, wg, experts)
