@@ -239,6 +239,14 @@ def _lse(x, off, EXACT: tl.constexpr):
 
 
 @jit
+def _rescue_scores(x, u, q_norm, cand, off, top_r, EXACT: tl.constexpr):
+    """An uplifted tile's exact rescue scores (-inf off the candidates) and the row's rescue
+    maximum with them: the logits x plus each block's uplift times each token's norm."""
+    lse_r = tl.where(cand, _lse(x + u[:, None] * q_norm[None, :], off, EXACT), float("-inf"))
+    return lse_r, tl.maximum(top_r, tl.max(lse_r, 0))
+
+
+@jit
 def _score_row(
     c_head,
     u_head,
@@ -331,13 +339,9 @@ def _score_row(
                 lse_r = ub  # below the final threshold and maximum: top_r stays exact
                 n_bound += tl.sum(cand.to(tl.int32), 0)
             else:
-                lse_r = _lse(x + u[:, None] * q_norm[None, :], off, EXACT)
-                lse_r = tl.where(cand, lse_r, float("-inf"))
-                top_r = tl.maximum(top_r, tl.max(lse_r, 0))
+                lse_r, top_r = _rescue_scores(x, u, q_norm, cand, off, top_r, EXACT)
         else:
-            lse_r = _lse(x + u[:, None] * q_norm[None, :], off, EXACT)
-            lse_r = tl.where(cand, lse_r, float("-inf"))
-            top_r = tl.maximum(top_r, tl.max(lse_r, 0))
+            lse_r, top_r = _rescue_scores(x, u, q_norm, cand, off, top_r, EXACT)
         tl.store(S1 + ids, lse_r, mask=cand)
     return top_b, top_r, n_bound
 
