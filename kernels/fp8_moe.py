@@ -482,6 +482,13 @@ def _use_cublas(rows: int, hidden: Tensor, gate_up: Tensor, down: Tensor, block)
     )
 
 
+def expert_spans(layout: ExpertRows) -> list[tuple[int, int]]:
+    """(first row, row count) of each expert's block of rows: the one host read of a call whose
+    products run on cuBLAS (`_cublas_products`)."""
+    ends = layout.ends.tolist()
+    return [(first, end - first) for first, end in zip([0, *ends[:-1]], ends)]
+
+
 def _experts(hidden, top_k_index, top_k_weights, gate_up, gu_s, down, d_s, block) -> Tensor:
     dtype = hidden.dtype
     layout = expert_rows(top_k_index, gate_up.shape[0])
@@ -490,8 +497,7 @@ def _experts(hidden, top_k_index, top_k_weights, gate_up, gu_s, down, d_s, block
         scales = [cublas_weight_scales(gu_s), cublas_weight_scales(d_s)]
         scales = None if any(s is None for s in scales) else scales
     if scales is not None:
-        ends = layout.ends.tolist()  # the one host read of the call
-        spans = [(first, end - first) for first, end in zip([0, *ends[:-1]], ends)]
+        spans = expert_spans(layout)
         xq, xs = gather_quant(hidden, layout, blocked=True)
         h = _cublas_products(xq, xs, gate_up, scales[0], spans, dtype)
         del xq, xs  # each buffer is freed as soon as it is read (a 128K-token call holds ~6 GiB)

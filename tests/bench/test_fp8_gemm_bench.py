@@ -180,3 +180,31 @@ def test_a_time_row_names_what_the_layers_product_ran_on(monkeypatch):
     calls = []
     assert bench.bench_tuned(lambda: calls.append(1), 10, "cuBLAS") == (1.5, "cuBLAS")
     assert calls == [1]  # run once before timing, as a tuning run would be
+
+
+def test_the_experts_stages_are_timed_and_summed(small, tmp_path):
+    """Where the block's products run on cuBLAS, its row also times each stage alone
+    (`ms_stage_*`, in `STAGES` order), and the docs' sentence adds them up and splits the FP8
+    layer into cuBLAS's products and the rest."""
+    from rbs_bench.tables.blocks_kernels import _stages_sentence
+
+    linear = {"q": (256, 128), "k": (128, 128), "qkv": (512, 128), "o": (128, 256)}
+    small.setattr(bench, "LINEAR", linear)
+    small.setattr(bench, "EXPERTS", {"gate_up": (256, 128), "down": (128, 128)})
+    small.setattr(bench, "experts_stages", lambda args: {k: lambda: None for k in bench.STAGES})
+    argv = ["--out", str(tmp_path), "--tokens", "40", "--no-checks"]
+    assert bench.main(argv) == 0
+    df = pd.read_csv(tmp_path / "fp8_gemm_cpu_test.csv")
+    block = df[df["layer"] == "experts"].iloc[0]
+    stages = [c for c in df.columns if c.startswith("ms_stage_")]
+    assert stages == [f"ms_stage_{k}" for k in bench.STAGES] and (block[stages] == 1.0).all()
+    assert not any(c.startswith("tflops_stage_") for c in df.columns)
+    assert "together 6.00 against the block's 1.00" in _stages_sentence(df)
+    assert "cuBLAS's block-scaled products" not in _stages_sentence(df)  # no cuBLAS rows here
+    df.loc[df["layer"].isin(["qkv", "o"]), "ms_fp8_cublas_block_gemm"] = 0.5
+    df.loc[df["layer"] == "experts", "ms_bf16_compiled"] = 4.0
+    df.loc[df["layer"] == "experts", "ms_fp8"] = 5.0
+    text = _stages_sentence(df)
+    # FP8: qkv 1 + o 1 + the block 5; bf16: 1 + 1 + 4; products 0.5 + 0.5 + gate_up 1 + down 1
+    assert "take 3.00 ms of the FP8 layer's 7.00 (0.50x the bf16 layer's 6.00 ms)" in text
+    assert "the other 4.00 ms" in text

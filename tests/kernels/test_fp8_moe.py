@@ -159,19 +159,22 @@ def test_the_op_runs_the_reference_on_the_cpu_and_is_opaque_to_compile():
     assert torch.equal(fn(*args), want)
 
 
+def scaled_mm_fp32(a, b, scale_a, scale_b, out_dtype, out):
+    """torch._scaled_mm's block-scaled recipe in fp32, from the views it is given (a stand-in
+    where there is no Hopper GPU)."""
+    sa = scale_a.repeat_interleave(128, 1)  # [m, K]
+    sb = scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)  # [K, N]
+    out.copy_((a.float() * sa) @ (b.float() * sb))
+    return out
+
+
 def test_the_cublas_loop_gives_each_expert_its_rows_and_scales(monkeypatch):
     """`_cublas_products` on the CPU, with torch._scaled_mm computing the block-scaled recipe in
     fp32 from the views it is given: every expert's rows (4 experts, one empty) come out as
     its dequantised weight times its rows dequantised with their blocked scales ([G, count] per
     expert), and the rows past the last expert are zeros."""
 
-    def scaled_mm(a, b, scale_a, scale_b, out_dtype, out):
-        sa = scale_a.repeat_interleave(128, 1)  # [m, K]
-        sb = scale_b.repeat_interleave(128, 0).repeat_interleave(128, 1)  # [K, N]
-        out.copy_((a.float() * sa) @ (b.float() * sb))
-        return out
-
-    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_fp32)
     counts, groups, n = [8, 0, 4, 12], 2, 256
     spans = [(sum(counts[:e]), c) for e, c in enumerate(counts)]
     rows = sum(counts) + 6  # spare rows past the last expert
@@ -346,6 +349,29 @@ def test_kernel_pass_one_quantises_tokens_then_copies_their_bytes(
         want_q, want_s = gather_quantised_ref(ref_q, ref_s, layout, blocked)
         assert torch.equal(got_q.float(), want_q.float())  # torch's cast may round to -0
         torch.testing.assert_close(got_s, want_s, rtol=1e-6, atol=0)
+
+
+@kernel_test
+@fp8_kernel_test
+def test_the_bench_stages_chain_to_the_block(monkeypatch):
+    """`bench.fp8_gemm.experts_stages` times the block's cuBLAS path stage by stage: run in
+    order, its stages compute the block itself (the last one returns `fp8_moe_experts`'s output,
+    bit for bit). Forced onto the cuBLAS path at a small size; without a Hopper GPU cuBLAS's
+    product is its recipe in fp32 (`scaled_mm_fp32`)."""
+    from rbs_bench.bench import fp8_gemm as bench
+
+    monkeypatch.setattr(fp8_moe, "_use_cublas", lambda *args: True)
+    if DEVICE != "cuda":
+        monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_fp32)
+        monkeypatch.setattr(fp8_moe, "_weight_scale_layout", lambda device, kb: "plain")
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # as the layers; fp16 overflows
+    args = moe(24, 2, 4, 512, 256, dtype, device=DEVICE)
+    stages = bench.experts_stages(args)
+    assert tuple(stages) == bench.STAGES
+    results = {name: fn() for name, fn in stages.items()}
+    assert torch.equal(results["combine"], fp8_moe_experts(*args, (128, 128)))
+    spans = results["rows"]
+    assert sum(count for _, count in spans) >= 24 * 2 and spans[0][0] == 0
 
 
 @pytest.mark.skipif(

@@ -27,7 +27,10 @@ with the dequantised weight) and, for the experts, PyTorch's grouped GEMM (`F.gr
 `torch._grouped_mm`, the weight as transformers passes it, a transposed [E, K, N] view) on the
 same rows, and where cuBLAS takes the experts' shape its per-expert loop
 (`fp8_cublas_grouped`, `cublas_grouped_linear`) beside the grouped Triton product
-(`fp8_triton`); where the Triton products run in the persistent TMA form (Hopper), the pointer
+(`fp8_triton`); the whole experts block (`fp8_moe_experts`) and, where its products run on
+cuBLAS, each of its stages alone (`stage_*`: the row layout, the quantised gather, gate_up, the
+gate with down's quantisation, down with its weight scales laid out as cuBLAS reads them, the
+weighted sum); where the Triton products run in the persistent TMA form (Hopper), the pointer
 kernel beside it (`fp8_gemm_pointer`, and `fp8_triton_pointer` for the block); for the plain
 layers also
 cuBLAS's fp8 product with one scale per tensor (`torch._scaled_mm`, `fp8_cublas_tensorwise`): a
@@ -362,8 +365,9 @@ def check_experts(tokens, variant) -> dict:
 
 def time_experts(tokens, rep_ms) -> dict:
     """The experts block of `tokens` tokens (a feed-forward chunk): `fp8_moe_experts` as the layer
-    runs it, with Triton products, the unfused FP8 path, and bf16 grouped_mm the same way.
-    TFLOP/s count both products."""
+    runs it, with Triton products, the unfused FP8 path, and bf16 grouped_mm the same way; where
+    its products run on cuBLAS, each stage alone too (`experts_stages`, `ms_stage_*`). TFLOP/s
+    count both products."""
     from rbs_bench.kernels.fp8_moe import fp8_moe_experts
 
     args = experts_inputs(tokens)
@@ -386,10 +390,45 @@ def time_experts(tokens, rep_ms) -> dict:
         # arithmetic and the gate (`models.fastpath`); the products and the sum stay the ops above
         compiled = torch.compile(experts_unfused, dynamic=False)
         ms["bf16_compiled"] = do_bench(lambda: compiled(*args, grouped=w), rep_ms)
+    ms |= {f"stage_{name}": do_bench(fn, rep_ms) for name, fn in experts_stages(args).items()}
     flops = 2.0 * tokens * TOP_K * sum(n * k for n, k in EXPERTS.values())
     from rbs_bench.tables.blocks_kernels import BF16_BASELINES
 
     return _time_row(ms, flops, next((b for b in BF16_BASELINES if b in ms), None))
+
+
+# the experts block's stages on its cuBLAS path, in the order `fp8_moe._experts` runs them
+STAGES = ("rows", "gather", "gate_up", "gate", "down", "combine")
+
+
+def experts_stages(args) -> dict:
+    """{stage: a call of that stage alone on its own inputs} for `fp8_moe_experts` where its
+    products run on cuBLAS (`STAGES`: the expert-sorted row layout, the quantised gather, gate_up,
+    the gate with down's quantisation, down, the weighted sum); {} where they stay on Triton.
+    The stages' times add up to the block's less the launch gaps between them."""
+    from rbs_bench.kernels import fp8_moe as fm
+
+    x, index, weights, gu, gu_s, dn, dn_s = args
+    if not fm._use_cublas(index.numel(), x, gu, dn, BLOCK):
+        return {}
+    scales = [fm.cublas_weight_scales(gu_s), fm.cublas_weight_scales(dn_s)]
+    if any(sc is None for sc in scales):
+        return {}
+    layout = fm.expert_rows(index, gu.shape[0])
+    spans = fm.expert_spans(layout)
+    xq, xs = fm.gather_quant(x, layout, blocked=True)
+    h = fm._cublas_products(xq, xs, gu, scales[0], spans, x.dtype)
+    aq, a_s = fm.gated_quant(h, layout, blocked=True)
+    y = fm._cublas_products(aq, a_s, dn, scales[1], spans, x.dtype)
+    calls = (
+        lambda: fm.expert_spans(fm.expert_rows(index, gu.shape[0])),
+        lambda: fm.gather_quant(x, layout, blocked=True),
+        lambda: fm._cublas_products(xq, xs, gu, scales[0], spans, x.dtype),
+        lambda: fm.gated_quant(h, layout, blocked=True),
+        lambda: fm._cublas_products(aq, a_s, dn, scales[1], spans, x.dtype),
+        lambda: fm._combine(y, layout.pos, weights.to(x.dtype)),
+    )
+    return dict(zip(STAGES, calls, strict=True))
 
 
 def _tma_applies(x, wq) -> bool:
@@ -404,7 +443,8 @@ def _tma_applies(x, wq) -> bool:
 
 def _time_row(ms: dict, flops: float, baseline: str | None) -> dict:
     row = {f"ms_{key}": v for key, v in ms.items()}
-    row |= {f"tflops_{key}": flops / v / 1e9 for key, v in ms.items()}
+    # a stage does part of the block's arithmetic: no rate
+    row |= {f"tflops_{k}": flops / v / 1e9 for k, v in ms.items() if not k.startswith("stage_")}
     if baseline is not None:
         row["x_vs_bf16"] = ms[baseline] / ms["fp8"]
         if "fp8_fused" in ms:

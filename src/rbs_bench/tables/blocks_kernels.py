@@ -323,8 +323,41 @@ def _fp8_gemm_table(src: Sources, gpu: str) -> str:
             "compares every path with the reference on the GPU. "
         )
         + _tma_sentence(times)
+        + _stages_sentence(times)
     )
     return md_table(head, rows) + "\n" + note + sources_line(src, [path]) + "\n"
+
+
+def _stages_sentence(times: pd.DataFrame) -> str:
+    """The experts block stage by stage (`ms_stage_*` of `bench.fp8_gemm`, each timed
+    alone), and how much of the FP8 layer is cuBLAS's products: qkv's and o's products alone and
+    the experts' two, against the layer's FP8 and bf16 sums; "" where the run timed no stages."""
+    by = times.set_index("layer")
+    keys = [c for c in times.columns if c.startswith("ms_stage_")]  # in the order they ran
+    if "experts" not in by.index or not keys:
+        return ""
+    block = by.loc["experts"]
+    stages = {k.removeprefix("ms_stage_"): block[k] for k in keys}
+    if any(pd.isna(v) for v in stages.values()) or not {"gate_up", "down"} <= set(stages):
+        return ""
+    parts = "; ".join(f"{k} {v:.2f}" for k, v in stages.items())
+    text = (
+        f"The experts block stage by stage on its cuBLAS path, each stage timed alone (ms): "
+        f"{parts}; together {sum(stages.values()):.2f} against the block's "
+        f"{block['ms_fp8']:.2f}. "
+    )
+    sums = fp8_layer_sums(times)
+    alone = [by.loc[p].get("ms_fp8_cublas_block_gemm") for p in ("qkv", "o") if p in by.index]
+    if len(alone) < 2 or any(pd.isna(v) for v in alone) or not sums:
+        return text
+    _, fp8, bf16 = sums[-1]
+    products = sum(alone) + stages["gate_up"] + stages["down"]
+    return text + (
+        f"cuBLAS's block-scaled products (qkv's and o's alone, the experts' gate_up and down) "
+        f"take {products:.2f} ms of the FP8 layer's {fp8:.2f} ({products / bf16:.2f}x the bf16 "
+        f"layer's {bf16:.2f} ms); the quantisation, the row passes and the launch gaps the other "
+        f"{fp8 - products:.2f} ms. "
+    )
 
 
 def _tma_sentence(times: pd.DataFrame) -> str:
