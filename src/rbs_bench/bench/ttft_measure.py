@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from rbs_bench import methods
+from rbs_bench.bench.gpu_clocks import ClockSampler
 from rbs_bench.bench.roofline import gemm_reference_ms
 from rbs_bench.bench.ttft_model import (
     TIMED_IMPL,
@@ -147,10 +148,11 @@ def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, fields: dict | Non
                 for d in gpus():
                     torch.cuda.reset_peak_memory_stats(d)
             runs = []
-            for _ in range(s.repeats if ids.shape[0] == 1 else s.batch_repeats):
-                if recorder is not None:
-                    recorder.reset()
-                runs.append(request(lm, ids))
+            with ClockSampler(gpus(lm.model) if cuda else []) as clocks:
+                for _ in range(s.repeats if ids.shape[0] == 1 else s.batch_repeats):
+                    if recorder is not None:
+                        recorder.reset()
+                    runs.append(request(lm, ids))
             density = recorder.summary()["density_mean"] if recorder is not None else 1.0
             if cuda:
                 # the busiest GPU (model.device_map=auto spreads the layers over several)
@@ -179,4 +181,5 @@ def time_row(s: Settings, lm: Loaded, ids: Tensor, name: str, fields: dict | Non
         "tokens_per_s": b * n / (med["ttft_ms"] / 1e3),
         "peak_allocated_mib": peak,
         "peak_reserved_mib": reserved,
+        **clocks.summary(),
     }

@@ -19,6 +19,10 @@ Columns (times in ms; CUDA events on a GPU, perf_counter on a CPU):
   radius, beta, min/max box, mean-pooled keys), as its implementation builds them on this device;
   empty for methods whose estimate keeps none. selector_workspace_mib: the peak of one select()
   call on one layer beyond its inputs, less the selection it returns (selection_mib).
+- sm_clock_mhz / power_w (GPU): the SM clock and power draw over the timed requests, means of
+  `nvidia-smi` samples every 100 ms on the model's GPUs; power_capped_share: the share of samples
+  with the software power cap lowering the clock (`rbs_bench.bench.gpu_clocks`). Absent where
+  nvidia-smi is not there.
 - prompts_per_s = batch / TTFT, tokens_per_s = batch x N / TTFT; ttft_speedup and
   attention_speedup: dense's time over the method's at the same N and batch.
 - outside_ms_per_layer = (ttft_ms - attention_ms) / layers: the part of the prefill outside
