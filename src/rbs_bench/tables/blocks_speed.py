@@ -338,6 +338,11 @@ def _method_table(sub: pd.DataFrame, rows_wanted: list[str]) -> str:
         "over the layer's GEMMs": lambda m: times(one.loc[m, "outside_x_gemm"]),
         "peak allocated (GiB)": lambda m: num(one.loc[m, "peak_allocated_mib"] / 1024, ".1f"),
         "density %": lambda m: num(100 * one.loc[m, "density"], ".2f"),
+        "SM clock over the timed requests (MHz)": lambda m: num(one.loc[m, "sm_clock_mhz"], ".0f"),
+        "power draw (W)": lambda m: num(one.loc[m, "power_w"], ".0f"),
+        "samples at the power cap":
+            lambda m: f"{one.loc[m, 'power_capped_share']:.0%}"
+            if pd.notna(one.loc[m, "power_capped_share"]) else MISSING,
         "TTFT, batch 4 (s)": lambda m: num(four.loc[m, "ttft_ms"] / 1e3) if m in four.index
         else MISSING,
         "TTFT speedup, batch 4": lambda m: times(four.loc[m, "ttft_speedup"]) if m in four.index
@@ -354,8 +359,17 @@ MAIN_ROWS = [
 ]  # fmt: skip
 
 
+# a row's GPU clock and power over its timed requests (`bench.gpu_clocks`), where it has them
+CLOCK_ROWS = [
+    "SM clock over the timed requests (MHz)", "power draw (W)", "samples at the power cap",
+]  # fmt: skip
+
+
 def _ttft_block(src, gpu, model, layers, compiled, chunk, wanted, what: str) -> str:
     sub, path = ttft_rows(src, gpu, model, layers, compiled, chunk)
+    one = sub[sub["batch"] == 1]
+    clocks = "sm_clock_mhz" in one and bool(one["sm_clock_mhz"].notna().all())
+    wanted = wanted + (CLOCK_ROWS if clocks else [])
     setting = (
         f"{what}: {model}, {layers} layers, {sub['dtype'].iloc[0]}, 128K tokens, "
         f"{'compiled' if compiled else 'eager'} layers, {_chunk(chunk)}; each method calibrated to "
