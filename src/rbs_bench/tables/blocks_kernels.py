@@ -311,7 +311,14 @@ def _fp8_gemm_table(src: Sources, gpu: str) -> str:
         "both products, the gate, the weighted sum) against bf16 `grouped_mm` with its gather, "
         "gate and sum"
         + (", compiled as the bf16 layers run it" if "ms_bf16_compiled" in times else ", eager")
-        + "; gate_up and down are its products timed alone; qkv is q, k and v as one "
+        + "; gate_up and down are its products timed alone as `fp8_grouped_linear` runs them"
+        + (
+            " (its cuBLAS loop needs K a multiple of 512, so down stays on Triton there; the "
+            "block lays down's weight scales out for cuBLAS and runs both on it, stages below)"
+            if any(c.startswith("ms_stage_") for c in times.columns)
+            else ""
+        )
+        + "; qkv is q, k and v as one "
         "product, as the compiled layers run FP8 ones (bf16 the same way). A layer's products "
         "(qkv where the run timed it, else q, k and v apart; o; the experts block): "
         + "; ".join(sums)
