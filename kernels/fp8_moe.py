@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,11 @@ GATHER_WARPS = 4
 # leave the GPU waiting and the block took 14.5 ms against 6.4 ms on Triton; at 8,192 rows
 # (128K tokens) 16.9 ms against 22.8 ms (H100, results/speed/fp8_gemm_*.csv, layer experts).
 CUBLAS_MIN_ROWS = 6144
+# Host threads that launch the per-expert cuBLAS calls of one product, each on its own CUDA stream
+# (`launch_shares`). One call costs the host about 45 us and down's product about 31 us of an
+# H200, so from one thread down's 128 calls keep the GPU waiting; RBS_BENCH_FP8_LAUNCH_THREADS
+# overrides it (1: every call from the caller's thread, on its stream).
+LAUNCH_THREADS = 2
 
 
 # ------------------------------------------------------------------------------ reference
@@ -426,6 +432,53 @@ def cublas_weight_scales(weight_scale_inv: Tensor) -> Tensor | None:
     return None if name is None else SCALE_LAYOUTS[name](weight_scale_inv)
 
 
+def launch_threads() -> int:
+    """How many host threads launch one product's per-expert calls (`LAUNCH_THREADS`, or
+    RBS_BENCH_FP8_LAUNCH_THREADS)."""
+    value = os.environ.get("RBS_BENCH_FP8_LAUNCH_THREADS", str(LAUNCH_THREADS))
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"RBS_BENCH_FP8_LAUNCH_THREADS must be a whole number >= 1; got {value!r}")
+    return int(value)
+
+
+@functools.cache
+def _launch_pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="rbs-bench-fp8-launch")
+
+
+@functools.cache
+def _side_stream(device: torch.device, i: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+def launch_shares(work: list, launch, device: torch.device, threads: int) -> None:
+    """launch(work[i::n]) for each share i of n = min(threads, len(work)): share 0 from the
+    caller's thread on its current stream, each other share from a pool thread on a stream of its
+    own that first waits for the caller's stream, which then waits for them all. torch releases
+    the GIL inside each op, so the shares' host work overlaps; on the GPU the calls stay in
+    order within a share. Off CUDA, or with one thread, launch(work) in the caller's thread."""
+    n = min(threads, len(work))
+    if device.type != "cuda" or n <= 1:
+        launch(work)
+        return
+    caller = torch.cuda.current_stream(device)
+    start = caller.record_event()
+
+    def share(i: int) -> torch.cuda.Stream:
+        stream = _side_stream(device, i)
+        stream.wait_event(start)
+        with torch.cuda.stream(stream):
+            launch(work[i::n])
+        return stream
+
+    futures = [_launch_pool(n - 1).submit(share, i) for i in range(1, n)]
+    try:
+        launch(work[0::n])
+    finally:
+        for future in futures:
+            caller.wait_stream(future.result())
+
+
 def _cublas_products(
     xq: Tensor, xs: Tensor, weight: Tensor, scales: Tensor, spans: list, out_dtype
 ) -> Tensor:
@@ -434,10 +487,10 @@ def _cublas_products(
 
     Every per-expert view comes from one call made before the loop (`split`, `unbind`; the
     scales' [count, G] view from one `as_strided`), leaving the product as the loop's only call.
-    At 128K tokens the block is bound by the GPU either way (H200: 14.1 ms of kernels in a
-    15.6-16.1 ms call, the host done after 10 ms, results/scale/logs/
-    h200_s11_call1_fp8_qkv_ttft.txt); taking turns over 2-4 CUDA streams gained nothing
-    (17.05-17.67 ms against 17.18-17.35 on one,
+    The calls are launched from `launch_threads()` host threads (`launch_shares`): on an H200 at
+    128K tokens one thread spends 5.9 ms launching down's 128 calls, whose kernels take 3.9 ms
+    (results/scale/logs/h200_s18_callA_experts_gaps.txt); taking turns over 2-4 CUDA streams
+    from one thread gained nothing (17.05-17.67 ms against 17.18-17.35 on one,
     results/scale/logs/h200x2_s11_call2_gpu_suite_streams_ttft.txt)."""
     r, k = xq.shape
     groups = k // CUBLAS_BLOCK[1]
@@ -446,13 +499,16 @@ def _cublas_products(
     sizes = [count for _, count in spans] + [r - used]
     rows, outs = xq.split(sizes), out.split(sizes)
     weights_t, scales_t = weight.transpose(1, 2).unbind(0), scales.transpose(1, 2).unbind(0)
-    for e, (first, count) in enumerate(spans):
-        if count == 0:
-            continue
-        a_s = xs.as_strided((count, groups), (1, count), groups * first)  # [G, count] transposed
-        torch._scaled_mm(
-            rows[e], weights_t[e], a_s, scales_t[e], out_dtype=out_dtype, out=outs[e]
-        )  # fmt: skip
+    work = [(e, first, count) for e, (first, count) in enumerate(spans) if count]
+
+    def launch(share: list) -> None:
+        for e, first, count in share:
+            a_s = xs.as_strided((count, groups), (1, count), groups * first)  # [G, count].t()
+            torch._scaled_mm(
+                rows[e], weights_t[e], a_s, scales_t[e], out_dtype=out_dtype, out=outs[e]
+            )  # fmt: skip
+
+    launch_shares(work, launch, xq.device, launch_threads())
     out[used:].zero_()
     return out
 
@@ -482,6 +538,15 @@ def _use_cublas(rows: int, hidden: Tensor, gate_up: Tensor, down: Tensor, block)
     )
 
 
+def cublas_scales(rows: int, hidden, gate_up, gate_up_scale_inv, down, down_scale_inv, block):
+    """[gate_up's, down's] weight scales as cuBLAS reads them where both products run on
+    cuBLAS (`_use_cublas`, and a layout for each, `cublas_weight_scales`), else None (Triton)."""
+    if not _use_cublas(rows, hidden, gate_up, down, block):
+        return None
+    scales = [cublas_weight_scales(gate_up_scale_inv), cublas_weight_scales(down_scale_inv)]
+    return None if any(s is None for s in scales) else scales
+
+
 def expert_spans(layout: ExpertRows) -> list[tuple[int, int]]:
     """(first row, row count) of each expert's block of rows: the one host read of a call whose
     products run on cuBLAS (`_cublas_products`)."""
@@ -492,10 +557,7 @@ def expert_spans(layout: ExpertRows) -> list[tuple[int, int]]:
 def _experts(hidden, top_k_index, top_k_weights, gate_up, gu_s, down, d_s, block) -> Tensor:
     dtype = hidden.dtype
     layout = expert_rows(top_k_index, gate_up.shape[0])
-    scales = None
-    if _use_cublas(top_k_index.numel(), hidden, gate_up, down, block):
-        scales = [cublas_weight_scales(gu_s), cublas_weight_scales(d_s)]
-        scales = None if any(s is None for s in scales) else scales
+    scales = cublas_scales(top_k_index.numel(), hidden, gate_up, gu_s, down, d_s, block)
     if scales is not None:
         spans = expert_spans(layout)
         xq, xs = gather_quant(hidden, layout, blocked=True)

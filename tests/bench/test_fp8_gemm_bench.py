@@ -208,3 +208,31 @@ def test_the_experts_stages_are_timed_and_summed(small, tmp_path):
     # FP8: qkv 1 + o 1 + the block 5; bf16: 1 + 1 + 4; products 0.5 + 0.5 + gate_up 1 + down 1
     assert "take 3.00 ms of the FP8 layer's 7.00 (0.50x the bf16 layer's 6.00 ms)" in text
     assert "the other 4.00 ms" in text
+
+
+def test_the_block_is_timed_from_each_count_of_launch_threads(small, tmp_path):
+    """Where the block's products run on cuBLAS, its row records the default count of host
+    threads that launch the per-expert calls (`launch_threads`) and times the block from each
+    other count of `LAUNCH_THREADS`; the docs' note says them."""
+    from rbs_bench.kernels import fp8_moe as fm
+
+    from rbs_bench.tables.blocks_kernels import _launch_sentence
+
+    small.delenv("RBS_BENCH_FP8_LAUNCH_THREADS", raising=False)
+    small.setattr(bench, "EXPERTS", {"gate_up": (256, 128), "down": (128, 128)})
+    small.setattr(fm, "cublas_scales", lambda *args: [None, None])
+    small.setattr(bench, "experts_stages", lambda args: {})
+    small.setattr(bench, "do_bench", lambda fn, rep_ms: float(fm.launch_threads()))
+    assert bench.main(["--out", str(tmp_path), "--tokens", "40", "--no-checks"]) == 0
+    df = pd.read_csv(tmp_path / "fp8_gemm_cpu_test.csv")
+    block = df[df["layer"] == "experts"].iloc[0]
+    default = fm.LAUNCH_THREADS
+    assert block["launch_threads"] == default and block["ms_fp8"] == float(default)
+    others = [n for n in bench.LAUNCH_THREADS if n != default]
+    assert sorted(c for c in df.columns if c.startswith("ms_fp8_threads")) == [
+        f"ms_fp8_threads{n}" for n in others
+    ]
+    assert all(block[f"ms_fp8_threads{n}"] == float(n) for n in others)
+    text = _launch_sentence(df)
+    assert text.startswith("The experts block with its per-expert cuBLAS calls launched from 1 ")
+    assert text.endswith(f"against {default:.2f} ms from the default {default}. ")

@@ -191,6 +191,26 @@ def test_the_cublas_loop_gives_each_expert_its_rows_and_scales(monkeypatch):
     assert bool((got[sum(counts) :] == 0).all())
 
 
+def test_launch_threads_come_from_the_environment(monkeypatch):
+    """RBS_BENCH_FP8_LAUNCH_THREADS sets how many host threads launch the per-expert calls
+    (`LAUNCH_THREADS` without it); anything but a whole number >= 1 stops with its name."""
+    monkeypatch.delenv("RBS_BENCH_FP8_LAUNCH_THREADS", raising=False)
+    assert fp8_moe.launch_threads() == fp8_moe.LAUNCH_THREADS
+    monkeypatch.setenv("RBS_BENCH_FP8_LAUNCH_THREADS", "3")
+    assert fp8_moe.launch_threads() == 3
+    for bad in ("0", "-1", "two", ""):
+        monkeypatch.setenv("RBS_BENCH_FP8_LAUNCH_THREADS", bad)
+        with pytest.raises(ValueError, match="RBS_BENCH_FP8_LAUNCH_THREADS must be a whole number"):
+            fp8_moe.launch_threads()
+
+
+def test_launch_shares_off_cuda_launch_everything_once_in_order():
+    """Off CUDA there are no streams to share out: one launch of all the work, in order."""
+    calls = []
+    fp8_moe.launch_shares(list(range(5)), calls.append, torch.device("cpu"), 4)
+    assert calls == [[0, 1, 2, 3, 4]]
+
+
 def test_bad_inputs_one_line():
     x, index, weights, gu, gu_s, dn, dn_s = moe(6, 2, 4, 128, 128, torch.float32)
     with pytest.raises(ValueError, match=r"top_k_index and top_k_weights must be \[N, k\]"):
@@ -451,3 +471,32 @@ def test_gpu_cublas_reads_the_down_products_scales():
     name = fp8_moe._weight_scale_layout(torch.device("cuda"), 6)
     print("cuBLAS scale layout for K = 768:", name)
     assert name is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
+def test_gpu_launch_threads_give_the_same_block_bit_for_bit(monkeypatch):
+    """Qwen3-30B-A3B's experts at 4099 tokens, forced onto the cuBLAS path: the block's bytes are
+    the same whether 1, 2 or 4 host threads launch its per-expert calls. `launch_shares` runs
+    each piece of work once: share i is work[i::n], in order, from its own thread and stream."""
+    import threading
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("cuBLAS's block-scaled recipe needs Hopper")
+    monkeypatch.setattr(fp8_moe, "_use_cublas", lambda *args: True)
+    args = moe(4099, 8, 128, 2048, 768, torch.bfloat16, seed=7, device="cuda")
+    outs = {}
+    for threads in ("1", "2", "4"):
+        monkeypatch.setenv("RBS_BENCH_FP8_LAUNCH_THREADS", threads)
+        outs[threads] = fp8_moe_experts(*args)
+    assert torch.equal(outs["1"], outs["2"]) and torch.equal(outs["1"], outs["4"])
+
+    seen, lock = [], threading.Lock()
+
+    def launch(share):
+        with lock:
+            seen.append((threading.get_ident(), torch.cuda.current_stream().stream_id, share))
+
+    fp8_moe.launch_shares(list(range(10)), launch, torch.device("cuda"), 3)
+    assert sorted(tuple(share) for *_, share in seen) == [tuple(range(i, 10, 3)) for i in range(3)]
+    assert len({thread for thread, *_ in seen}) == 3 and len({s for _, s, _ in seen}) == 3

@@ -28,13 +28,14 @@ with the dequantised weight) and, for the experts, PyTorch's grouped GEMM (`F.gr
 same rows, and where cuBLAS takes the experts' shape its per-expert loop
 (`fp8_cublas_grouped`, `cublas_grouped_linear`) beside the grouped Triton product
 (`fp8_triton`); the whole experts block (`fp8_moe_experts`) and, where its products run on
-cuBLAS, each of its stages alone (`stage_*`: the row layout, the quantised gather, gate_up, the
-gate with down's quantisation, down with its weight scales laid out as cuBLAS reads them, the
-weighted sum); where the Triton products run in the persistent TMA form (Hopper), the pointer
-kernel beside it (`fp8_gemm_pointer`, and `fp8_triton_pointer` for the block); for the plain
-layers also
-cuBLAS's fp8 product with one scale per tensor (`torch._scaled_mm`, `fp8_cublas_tensorwise`): a
-ceiling for the rate, not the same function. TFLOP/s count 2 M N K.
+cuBLAS, the block with its per-expert calls launched from 1, 2 and 4 host threads
+(`fp8_threads<n>`; the default count is `fp8`) and each of its stages alone (`stage_*`: the
+row layout, the quantised gather, gate_up, the gate with down's quantisation, down with its
+weight scales laid out as cuBLAS reads them, the weighted sum); where the Triton products run
+in the persistent TMA form (Hopper), the pointer kernel beside it (`fp8_gemm_pointer`, and
+`fp8_triton_pointer` for the block); for the plain layers also cuBLAS's fp8 product with one
+scale per tensor (`torch._scaled_mm`, `fp8_cublas_tensorwise`): a ceiling for the rate, not the
+same function. TFLOP/s count 2 M N K.
 
 Rows go to DIR/fp8_gemm_<gpu>.csv as they finish; a rerun skips the rows already there, and
 --time-budget-s stops starting new ones. A failing variant is recorded as a row with its error.
@@ -63,6 +64,7 @@ from rbs_bench.kernels import fp8_gemm as fk
 LINEAR = {"q": (4096, 2048), "k": (512, 2048), "qkv": (5120, 2048), "o": (2048, 4096)}
 EXPERTS = {"gate_up": (1536, 2048), "down": (2048, 768)}
 NUM_EXPERTS, TOP_K, BLOCK = 128, 8, (128, 128)
+LAUNCH_THREADS = (1, 2, 4)  # host threads launching the experts' cuBLAS calls, timed beside
 CHECK_TOKENS = (1, 129, 4099)
 SAMPLE_ROWS = 2048
 DEVICE = "cuda"
@@ -366,13 +368,24 @@ def check_experts(tokens, variant) -> dict:
 def time_experts(tokens, rep_ms) -> dict:
     """The experts block of `tokens` tokens (a feed-forward chunk): `fp8_moe_experts` as the layer
     runs it, with Triton products, the unfused FP8 path, and bf16 grouped_mm the same way; where
-    its products run on cuBLAS, each stage alone too (`experts_stages`, `ms_stage_*`). TFLOP/s
-    count both products."""
+    its products run on cuBLAS, the block with its per-expert calls launched from each other
+    number of host threads of `LAUNCH_THREADS` (`ms_fp8_threads<n>`; `launch_threads`: the
+    default's) and each stage alone (`experts_stages`, `ms_stage_*`). TFLOP/s count both
+    products."""
+    from rbs_bench.kernels import fp8_moe as fm
     from rbs_bench.kernels.fp8_moe import fp8_moe_experts
 
     args = experts_inputs(tokens)
-    ms = {}
+    ms, launch = {}, {}
     ms["fp8"] = do_bench(lambda: fp8_moe_experts(*args, BLOCK), rep_ms)
+    if fm.cublas_scales(args[1].numel(), args[0], *args[3:], BLOCK) is not None:
+        launch["launch_threads"] = fm.launch_threads()
+        for threads in LAUNCH_THREADS:
+            if threads != fm.launch_threads():
+                with _env("RBS_BENCH_FP8_LAUNCH_THREADS", str(threads)):
+                    ms[f"fp8_threads{threads}"] = do_bench(
+                        lambda: fp8_moe_experts(*args, BLOCK), rep_ms
+                    )
     with experts_on_cublas(False):
         ms["fp8_triton"] = do_bench(lambda: fp8_moe_experts(*args, BLOCK), rep_ms)
         ms["fp8_unfused_triton"] = do_bench(lambda: experts_unfused(*args), rep_ms)
@@ -394,7 +407,7 @@ def time_experts(tokens, rep_ms) -> dict:
     flops = 2.0 * tokens * TOP_K * sum(n * k for n, k in EXPERTS.values())
     from rbs_bench.tables.blocks_kernels import BF16_BASELINES
 
-    return _time_row(ms, flops, next((b for b in BF16_BASELINES if b in ms), None))
+    return _time_row(ms, flops, next((b for b in BF16_BASELINES if b in ms), None)) | launch
 
 
 # the experts block's stages on its cuBLAS path, in the order `fp8_moe._experts` runs them
@@ -409,10 +422,8 @@ def experts_stages(args) -> dict:
     from rbs_bench.kernels import fp8_moe as fm
 
     x, index, weights, gu, gu_s, dn, dn_s = args
-    if not fm._use_cublas(index.numel(), x, gu, dn, BLOCK):
-        return {}
-    scales = [fm.cublas_weight_scales(gu_s), fm.cublas_weight_scales(dn_s)]
-    if any(sc is None for sc in scales):
+    scales = fm.cublas_scales(index.numel(), x, gu, gu_s, dn, dn_s, BLOCK)
+    if scales is None:
         return {}
     layout = fm.expert_rows(index, gu.shape[0])
     spans = fm.expert_spans(layout)

@@ -330,9 +330,32 @@ def _fp8_gemm_table(src: Sources, gpu: str) -> str:
             "compares every path with the reference on the GPU. "
         )
         + _tma_sentence(times)
+        + _launch_sentence(times)
         + _stages_sentence(times)
     )
     return md_table(head, rows) + "\n" + note + sources_line(src, [path]) + "\n"
+
+
+def _launch_sentence(times: pd.DataFrame) -> str:
+    """The experts block with its per-expert cuBLAS calls launched from other numbers of host
+    threads (`ms_fp8_threads<n>` of `bench.fp8_gemm`) beside the run's default count
+    (`launch_threads`); "" where the run timed none."""
+    by = times.set_index("layer")
+    if "experts" not in by.index:
+        return ""
+    block = by.loc["experts"]
+    other = {
+        int(c.removeprefix("ms_fp8_threads")): block[c]
+        for c in times.columns
+        if c.startswith("ms_fp8_threads") and pd.notna(block[c])
+    }
+    if not other or pd.isna(block.get("launch_threads")):
+        return ""
+    parts = ", ".join(f"{n} thread{'s' * (n > 1)} {ms:.2f} ms" for n, ms in sorted(other.items()))
+    return (
+        f"The experts block with its per-expert cuBLAS calls launched from {parts}, against "
+        f"{block['ms_fp8']:.2f} ms from the default {int(block['launch_threads'])}. "
+    )
 
 
 def _stages_sentence(times: pd.DataFrame) -> str:
