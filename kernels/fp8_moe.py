@@ -456,19 +456,24 @@ def launch_shares(work: list, launch, device: torch.device, threads: int) -> Non
     caller's thread on its current stream, each other share from a pool thread on a stream of its
     own that first waits for the caller's stream, which then waits for them all. torch releases
     the GIL inside each op, so the shares' host work overlaps; on the GPU the calls stay in
-    order within a share. Off CUDA, or with one thread, launch(work) in the caller's thread."""
+    order within a share. A pool thread runs its share in the caller's inference and grad
+    modes (both are per thread: a prefill's tensors are inference tensors, which only code in
+    inference mode may write). Off CUDA, or with one thread, launch(work) in the caller's
+    thread."""
     n = min(threads, len(work))
     if device.type != "cuda" or n <= 1:
         launch(work)
         return
     caller = torch.cuda.current_stream(device)
     start = caller.record_event()
+    inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
     def share(i: int) -> torch.cuda.Stream:
         stream = _side_stream(device, i)
         stream.wait_event(start)
-        with torch.cuda.stream(stream):
-            launch(work[i::n])
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            with torch.cuda.stream(stream):
+                launch(work[i::n])
         return stream
 
     futures = [_launch_pool(n - 1).submit(share, i) for i in range(1, n)]

@@ -476,9 +476,11 @@ def test_gpu_cublas_reads_the_down_products_scales():
 @pytest.mark.gpu
 @pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
 def test_gpu_launch_threads_give_the_same_block_bit_for_bit(monkeypatch):
-    """Qwen3-30B-A3B's experts at 4099 tokens, forced onto the cuBLAS path: the block's bytes are
-    the same whether 1, 2 or 4 host threads launch its per-expert calls. `launch_shares` runs
-    each piece of work once: share i is work[i::n], in order, from its own thread and stream."""
+    """Qwen3-30B-A3B's experts at 4099 tokens, forced onto the cuBLAS path, in inference mode as
+    a prefill runs them: the block's bytes are the same whether 1, 2 or 4 host threads launch its
+    per-expert calls. `launch_shares` runs each piece of work once: share i is work[i::n], in
+    order, on a stream of its own; share 0 in the caller's thread, the others in pool threads,
+    each in the caller's inference mode."""
     import threading
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -488,15 +490,23 @@ def test_gpu_launch_threads_give_the_same_block_bit_for_bit(monkeypatch):
     outs = {}
     for threads in ("1", "2", "4"):
         monkeypatch.setenv("RBS_BENCH_FP8_LAUNCH_THREADS", threads)
-        outs[threads] = fp8_moe_experts(*args)
+        with torch.inference_mode():
+            outs[threads] = fp8_moe_experts(*args)
     assert torch.equal(outs["1"], outs["2"]) and torch.equal(outs["1"], outs["4"])
 
     seen, lock = [], threading.Lock()
 
     def launch(share):
+        stream = torch.cuda.current_stream().stream_id
         with lock:
-            seen.append((threading.get_ident(), torch.cuda.current_stream().stream_id, share))
+            seen.append((threading.get_ident(), stream, torch.is_inference_mode_enabled(), share))
 
-    fp8_moe.launch_shares(list(range(10)), launch, torch.device("cuda"), 3)
-    assert sorted(tuple(share) for *_, share in seen) == [tuple(range(i, 10, 3)) for i in range(3)]
-    assert len({thread for thread, *_ in seen}) == 3 and len({s for _, s, _ in seen}) == 3
+    with torch.inference_mode():
+        fp8_moe.launch_shares(list(range(10)), launch, torch.device("cuda"), 3)
+    by_share = {tuple(share): (thread, stream, mode) for thread, stream, mode, share in seen}
+    assert sorted(by_share) == [tuple(range(i, 10, 3)) for i in range(3)]
+    assert len({stream for _, stream, _ in by_share.values()}) == 3
+    assert all(mode for *_, mode in by_share.values())
+    threads = [thread for thread, *_ in by_share.values()]
+    assert by_share[tuple(range(0, 10, 3))][0] == threading.get_ident()
+    assert threads.count(threading.get_ident()) == 1  # the other shares ran in pool threads
