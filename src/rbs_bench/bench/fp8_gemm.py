@@ -379,9 +379,9 @@ def time_experts(tokens, rep_ms) -> dict:
     ms, launch = {}, {}
     ms["fp8"] = do_bench(lambda: fp8_moe_experts(*args, BLOCK), rep_ms)
     if fm.cublas_scales(args[1].numel(), args[0], *args[3:], BLOCK) is not None:
-        launch["launch_threads"] = fm.launch_threads()
+        launch["launch_threads"] = default = fm.launch_threads()
         for threads in LAUNCH_THREADS:
-            if threads != fm.launch_threads():
+            if threads != default:
                 with _env("RBS_BENCH_FP8_LAUNCH_THREADS", str(threads)):
                     ms[f"fp8_threads{threads}"] = do_bench(
                         lambda: fp8_moe_experts(*args, BLOCK), rep_ms
