@@ -19,8 +19,9 @@ passes:
 
 Row layout (`expert_rows`). The rows are sorted by expert and each expert's rows are padded with
 zero rows to a multiple of `PAD_ROWS` = 4, the row counts cuBLAS's block-scaled GEMM accepts,
-into R = N x k + 3 E rows (the rows past the last expert are unused). Computed on the device; the
-host reads the experts' row ranges once per call when cuBLAS runs the products.
+into R = N x k + 3 E rows (the rows past the last expert are unused). Computed on the device, a
+counting sort in four launches; when cuBLAS runs the products the host reads the experts' row
+ranges once per call, with pass 1 queued behind the read so that the GPU works while it waits.
 
 Products. On Hopper with 128 x 128 weight blocks each expert's product is one call of cuBLAS's
 block-scaled FP8 GEMM (`torch._scaled_mm`, see `fp8_gemm.cublas_linear`), writing straight into
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -73,6 +75,10 @@ CUBLAS_MIN_ROWS = 6144
 # H200, so from one thread down's 128 calls keep the GPU waiting; RBS_BENCH_FP8_LAUNCH_THREADS
 # overrides it (1: every call from the caller's thread, on its stream).
 LAUNCH_THREADS = 2
+# The row layout's counting sort (`expert_rows`): slots per chunk (each program compares a chunk's
+# slots pairwise, a [ROWS_CHUNK, ROWS_CHUNK] tile), and chunks per step of an expert's scan.
+ROWS_CHUNK = 128
+ROWS_SCAN = 1024
 
 
 # ------------------------------------------------------------------------------ reference
@@ -140,8 +146,8 @@ class ExpertRows:
         return self.src.shape[0]
 
 
-def expert_rows(top_k_index: Tensor, num_experts: int) -> ExpertRows:
-    """The layout of the module docstring for top_k_index [N, k] (ids in [0, E)); no host sync."""
+def expert_rows_ref(top_k_index: Tensor, num_experts: int) -> ExpertRows:
+    """`expert_rows` in PyTorch: a stable sort of the slots by expert, then indexing."""
     n, k = top_k_index.shape
     slots = n * k
     rows = slots + (PAD_ROWS - 1) * num_experts
@@ -168,7 +174,152 @@ def expert_rows(top_k_index: Tensor, num_experts: int) -> ExpertRows:
     )
 
 
+def expert_rows(top_k_index: Tensor, num_experts: int) -> ExpertRows:
+    """The layout of the module docstring for top_k_index [N, k] (ids in [0, E)), equal to
+    `expert_rows_ref`'s (the slots of an expert in their order), with no host sync: on CUDA (or
+    under TRITON_INTERPRET=1) a counting sort in four Triton launches; elsewhere the reference.
+
+    The slots are cut into chunks of `ROWS_CHUNK`. `_rows_hist_kernel` counts each chunk's slots
+    per expert; `_rows_scan_kernel` sums, per expert, the counts of the chunks before each one;
+    `_rows_place_kernel` puts slot s of expert e at row first_e + (e's slots in earlier chunks)
+    + (e's earlier slots in its chunk); `_rows_blocks_kernel` writes each row's expert block
+    (first, count), marks the padding rows and writes the ends. The sort, cumsums, scatters and
+    searchsorted of the reference are some 60 launches, each a few microseconds of GPU and 15-20
+    of host: at 128K tokens the host took 1.1 ms while the GPU worked 0.3 ms
+    (results/scale/logs/h200_s18_callA_experts_gaps.txt)."""
+    n, k = top_k_index.shape
+    dev = top_k_index.device
+    if n * k == 0 or triton is None or not (top_k_index.is_cuda or INTERPRET):
+        return expert_rows_ref(top_k_index, num_experts)
+    slots, experts = n * k, num_experts
+    rows = slots + (PAD_ROWS - 1) * experts
+    ids = top_k_index.reshape(-1)
+    chunks = triton.cdiv(slots, ROWS_CHUNK)
+    block_e = triton.next_power_of_2(experts)
+    hist = torch.empty(experts, chunks, dtype=torch.int32, device=dev)
+    before = torch.empty_like(hist)
+    counts = torch.empty(experts, dtype=torch.int32, device=dev)
+    layout = ExpertRows(
+        src=torch.empty(rows, dtype=torch.int32, device=dev),
+        pos=torch.empty(n, k, dtype=torch.int64, device=dev),
+        ends=torch.empty(experts, dtype=torch.int32, device=dev),
+        first=torch.empty(rows, dtype=torch.int32, device=dev),
+        count=torch.empty(rows, dtype=torch.int32, device=dev),
+    )
+    _rows_hist_kernel[(chunks,)](ids, hist, slots, chunks, experts, CHUNK=ROWS_CHUNK,
+                                 BLOCK_E=block_e)  # fmt: skip
+    _rows_scan_kernel[(experts,)](hist, before, counts, chunks, BLOCK_C=ROWS_SCAN)
+    _rows_place_kernel[(chunks,)](
+        ids, before, counts, layout.src, layout.pos, slots, chunks, experts, k, PAD=PAD_ROWS,
+        CHUNK=ROWS_CHUNK, BLOCK_E=block_e,
+    )  # fmt: skip
+    _rows_blocks_kernel[(triton.cdiv(rows, ROWS_CHUNK),)](
+        counts, layout.src, layout.first, layout.count, layout.ends, rows, experts,
+        PAD=PAD_ROWS, BLOCK_R=ROWS_CHUNK, BLOCK_E=block_e,
+    )  # fmt: skip
+    return layout
+
+
 # ------------------------------------------------------------------------------ kernels
+
+
+@jit
+def _rows_hist_kernel(Ids, Hist, S, C, E, CHUNK: tl.constexpr, BLOCK_E: tl.constexpr):
+    # Hist [E, C]: how many slots of chunk c go to expert e
+    c = tl.program_id(0)
+    s = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(Ids + s, mask=s < S, other=-1)
+    e = tl.arange(0, BLOCK_E)
+    hist = tl.sum((ids[:, None] == e[None, :]).to(tl.int32), axis=0)
+    tl.store(Hist + e * C + c, hist, mask=e < E)
+
+
+@jit
+def _rows_scan_kernel(Hist, Before, Counts, C, BLOCK_C: tl.constexpr):
+    # Before [E, C]: expert e's slots in the chunks before chunk c; Counts [E]: all of them
+    e = tl.program_id(0)
+    total = tl.sum(tl.zeros([BLOCK_C], dtype=tl.int32), axis=0)
+    for start in range(0, C, BLOCK_C):
+        c = start + tl.arange(0, BLOCK_C)
+        h = tl.load(Hist + e * C + c, mask=c < C, other=0)
+        tl.store(Before + e * C + c, total + tl.cumsum(h, 0) - h, mask=c < C)
+        total += tl.sum(h, axis=0)
+    tl.store(Counts + e, total)
+
+
+@jit
+def _expert_blocks(Counts, E, PAD: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(e, count, padded count, first row, row end) of each expert, [BLOCK_E] each (zero counts
+    past E, whose first and end are the last expert's end)."""
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.load(Counts + e, mask=e < E, other=0)
+    padded = (counts + PAD - 1) // PAD * PAD
+    ends = tl.cumsum(padded, 0)
+    return e, counts, padded, ends - padded, ends
+
+
+@jit
+def _rows_place_kernel(
+    Ids,
+    Before,
+    Counts,
+    Src,
+    Pos,
+    S,
+    C,
+    E,
+    K,
+    PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    # slot s (token s // K) of expert e: row first_e + Before[e, c] + e's earlier slots in chunk c
+    c = tl.program_id(0)
+    i = tl.arange(0, CHUNK)
+    s = c * CHUNK + i
+    ok = s < S
+    ids = tl.load(Ids + s, mask=ok, other=-1)
+    e, _, _, first, _ = _expert_blocks(Counts, E, PAD, BLOCK_E)
+    earlier = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])
+    rank = tl.sum(earlier.to(tl.int32), axis=1)
+    start = tl.sum(tl.where(ids[:, None] == e[None, :], first[None, :], 0), axis=1)
+    before = tl.load(Before + ids * C + c, mask=ok, other=0)
+    row = start + before + rank
+    tl.store(Src + row, (s // K).to(tl.int32), mask=ok)
+    tl.store(Pos + s, row.to(tl.int64), mask=ok)
+
+
+@jit
+def _rows_blocks_kernel(
+    Counts,
+    Src,
+    First,
+    Count,
+    Ends,
+    R,
+    E,
+    PAD: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    # row r's block: the first expert whose end is past r, E (the unused rows) past the last;
+    # Src = -1 on the rows no slot takes, which `_rows_place_kernel` leaves alone
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    e, counts, padded, first, ends = _expert_blocks(Counts, E, PAD, BLOCK_E)
+    live = e < E
+    block = tl.sum((live[None, :] & (ends[None, :] <= r[:, None])).to(tl.int32), axis=1)
+    used_rows = tl.sum(padded, axis=0)
+    mine = e[None, :] == block[:, None]
+    in_expert = block < E
+    start = tl.where(in_expert, tl.sum(tl.where(mine, first[None, :], 0), axis=1), used_rows)
+    size = tl.where(in_expert, tl.sum(tl.where(mine, padded[None, :], 0), axis=1), R - used_rows)
+    taken = tl.sum(tl.where(mine, counts[None, :], 0), axis=1)  # 0 past the last expert
+    r_ok = r < R
+    tl.store(First + r, start, mask=r_ok)
+    tl.store(Count + r, size, mask=r_ok)
+    tl.store(Src + r, tl.full([BLOCK_R], -1, tl.int32), mask=r_ok & (r - start >= taken))
+    if tl.program_id(0) == 0:
+        tl.store(Ends + e, ends, mask=live)
 
 
 @jit
@@ -555,8 +706,30 @@ def cublas_scales(rows: int, hidden, gate_up, gate_up_scale_inv, down, down_scal
 def expert_spans(layout: ExpertRows) -> list[tuple[int, int]]:
     """(first row, row count) of each expert's block of rows: the one host read of a call whose
     products run on cuBLAS (`_cublas_products`)."""
-    ends = layout.ends.tolist()
+    return _spans(layout.ends.tolist())
+
+
+def _spans(ends: list[int]) -> list[tuple[int, int]]:
     return [(first, end - first) for first, end in zip([0, *ends[:-1]], ends)]
+
+
+def expert_spans_later(layout: ExpertRows) -> Callable[[], list[tuple[int, int]]]:
+    """`expert_spans` read without a wait now: on CUDA the ends are copied into pinned host memory
+    behind the work queued so far, and the returned call waits for that copy alone. Work queued
+    between the two (pass 1) keeps the GPU busy while the host waits and then launches the
+    products, where `expert_spans` would leave it idle from the read to the first launch."""
+    if not layout.ends.is_cuda:
+        return lambda: expert_spans(layout)
+    ends = torch.empty(layout.ends.shape, dtype=layout.ends.dtype, pin_memory=True)
+    ends.copy_(layout.ends, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def spans() -> list[tuple[int, int]]:
+        copied.synchronize()
+        return _spans(ends.tolist())
+
+    return spans
 
 
 def _experts(hidden, top_k_index, top_k_weights, gate_up, gu_s, down, d_s, block) -> Tensor:
@@ -564,8 +737,9 @@ def _experts(hidden, top_k_index, top_k_weights, gate_up, gu_s, down, d_s, block
     layout = expert_rows(top_k_index, gate_up.shape[0])
     scales = cublas_scales(top_k_index.numel(), hidden, gate_up, gu_s, down, d_s, block)
     if scales is not None:
-        spans = expert_spans(layout)
+        spans_of = expert_spans_later(layout)
         xq, xs = gather_quant(hidden, layout, blocked=True)
+        spans = spans_of()
         h = _cublas_products(xq, xs, gate_up, scales[0], spans, dtype)
         del xq, xs  # each buffer is freed as soon as it is read (a 128K-token call holds ~6 GiB)
         aq, a_s = gated_quant(h, layout, blocked=True)

@@ -35,6 +35,9 @@ from rbs_bench.kernels.fp8_gemm import (
 from rbs_bench.kernels.fp8_moe import (
     PAD_ROWS,
     expert_rows,
+    expert_rows_ref,
+    expert_spans,
+    expert_spans_later,
     fp8_moe_experts,
     fp8_moe_experts_ref,
     gather_quantised_ref,
@@ -114,6 +117,15 @@ def test_expert_rows_pad_each_expert_and_invert_the_sort(n, k, experts, empty):
         first = int(ends[e - 1]) if 0 < e <= experts else (0 if e == 0 else int(ends[-1]))
         count = int(padded[e]) if e < experts else layout.rows - int(ends[-1])
         assert (int(layout.first[r]), int(layout.count[r])) == (first, count)
+
+
+def test_spans_read_later_off_cuda_are_the_spans():
+    index, _ = routes(29, 4, 6, seed=2, empty=(3,))
+    layout = expert_rows_ref(index, 6)
+    spans = expert_spans(layout)
+    assert expert_spans_later(layout)() == spans
+    assert [first for first, _ in spans] == [0, *layout.ends.tolist()[:-1]]
+    assert sum(count for _, count in spans) == int(layout.ends[-1])
 
 
 def test_gather_reference_lays_scales_out_as_the_products_read_them():
@@ -239,6 +251,35 @@ def assert_tokens_close(got, ref, truth, slack=0.0):
     assert not bool(bad.any()), (
         f"{int(bad.sum())} of {bad.numel()} tokens off; worst {float((err / tol).max()):.3g}x tol"
     )
+
+
+@kernel_test
+@pytest.mark.parametrize(
+    "n, k, experts, empty, chunk, scan",
+    [
+        (1, 1, 3, (), 128, 1024),  # one slot
+        (37, 3, 5, (2,), 16, 2),  # 7 chunks, a scan of 4 steps, a partial last chunk
+        (130, 8, 16, (0, 15), 32, 4),  # empty first and last experts
+        (64, 2, 7, (), 128, 1024),  # slots fill their one chunk exactly
+        (300, 8, 128, (5, 127), 64, 8),  # the model's 128 experts, 38 chunks
+    ],
+)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_kernel_expert_rows_equal_the_reference(
+    n, k, experts, empty, chunk, scan, index_dtype, monkeypatch
+):
+    """The counting sort's layout equals the reference's sort, tensor for tensor, over chunk and
+    scan sizes that split the slots into several chunks and an expert's scan into several steps."""
+    monkeypatch.setattr(fp8_moe, "ROWS_CHUNK", chunk)
+    monkeypatch.setattr(fp8_moe, "ROWS_SCAN", scan)
+    index, _ = routes(n, k, experts, seed=n + 1, empty=empty, device=DEVICE)
+    got = expert_rows(index.to(index_dtype), experts)
+    want = expert_rows_ref(index, experts)
+    for field in ("src", "pos", "ends", "first", "count"):
+        a, b = getattr(got, field), getattr(want, field)
+        assert a.dtype == b.dtype and a.shape == b.shape, field
+        assert torch.equal(a, b), field
+    assert expert_spans_later(got)() == expert_spans(want)
 
 
 @kernel_test
@@ -434,14 +475,20 @@ def test_gpu_the_models_experts_on_both_backends(n, monkeypatch):
 @pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
 def test_gpu_pass_one_at_128k_tokens():
     """Pass 1 on a 128K-token chunk of Qwen3-30B-A3B (H 2048, 128 experts, top 8, bf16: a
-    million rows): `token_quant` equals `fp8_act_quant` and `gather_quantised` equals
-    `gather_quantised_ref`, bit for bit, in both scale layouts. Prints each kernel's time."""
+    million rows): `expert_rows` equals `expert_rows_ref`, `token_quant` equals `fp8_act_quant`
+    and `gather_quantised` equals `gather_quantised_ref`, bit for bit, in both scale layouts.
+    Prints each kernel's time."""
     from triton.testing import do_bench
 
     n, hidden = 131072, 2048
     x = activations(n, hidden, seed=5, dtype=torch.bfloat16, device="cuda")
     index, _ = routes(n, 8, 128, seed=5, device="cuda")
     layout = expert_rows(index, 128)
+    want = fp8_moe.expert_rows_ref(index, 128)
+    for field in ("src", "pos", "ends", "first", "count"):
+        assert torch.equal(getattr(layout, field), getattr(want, field)), field
+    assert expert_spans_later(layout)() == expert_spans(want)
+    del want
     tq, ts = fp8_moe.token_quant(x)
     want_q, want_s = fp8_act_quant(x)
     assert torch.equal(tq[:n].view(torch.uint8), want_q.view(torch.uint8))
@@ -456,9 +503,14 @@ def test_gpu_pass_one_at_128k_tokens():
         assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(xs, want_s)
         del xq, xs, want_q, want_s
+    ms_rows = do_bench(lambda: expert_rows(index, 128))
+    ms_rows_ref = do_bench(lambda: expert_rows_ref(index, 128))
     ms_quant = do_bench(lambda: fp8_moe.token_quant(x))
     ms_gather = do_bench(lambda: fp8_moe.gather_quantised(tq, ts, layout, True))
-    print(f"pass 1 at 128K tokens: token_quant {ms_quant:.3f} ms, gather {ms_gather:.3f} ms")
+    print(
+        f"pass 1 at 128K tokens: expert_rows {ms_rows:.3f} ms (reference {ms_rows_ref:.3f}), "
+        f"token_quant {ms_quant:.3f} ms, gather {ms_gather:.3f} ms"
+    )
 
 
 @pytest.mark.gpu
