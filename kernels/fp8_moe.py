@@ -76,9 +76,14 @@ CUBLAS_MIN_ROWS = 6144
 # overrides it (1: every call from the caller's thread, on its stream).
 LAUNCH_THREADS = 2
 # The row layout's counting sort (`expert_rows`): slots per chunk (each program compares a chunk's
-# slots pairwise, a [ROWS_CHUNK, ROWS_CHUNK] tile), and chunks per step of an expert's scan.
-ROWS_CHUNK = 128
+# slots pairwise, a [ROWS_CHUNK, ROWS_CHUNK] tile), chunks (rows) per step of the loop of a
+# program that scans an expert's chunks (writes its rows), and warps per program. At 128K tokens
+# on an H200 the four kernels took 130 us of GPU with 64 slots in one warp, 361 us with 128 in
+# four, where the PyTorch reference takes 200 us of GPU and 742 us of host
+# (results/scale/logs/h200_s19_callC_expert_rows_probe.txt).
+ROWS_CHUNK = 64
 ROWS_SCAN = 1024
+ROWS_WARPS = 1
 
 
 # ------------------------------------------------------------------------------ reference
@@ -182,11 +187,12 @@ def expert_rows(top_k_index: Tensor, num_experts: int) -> ExpertRows:
     The slots are cut into chunks of `ROWS_CHUNK`. `_rows_hist_kernel` counts each chunk's slots
     per expert; `_rows_scan_kernel` sums, per expert, the counts of the chunks before each one;
     `_rows_place_kernel` puts slot s of expert e at row first_e + (e's slots in earlier chunks)
-    + (e's earlier slots in its chunk); `_rows_blocks_kernel` writes each row's expert block
-    (first, count), marks the padding rows and writes the ends. The sort, cumsums, scatters and
-    searchsorted of the reference are some 60 launches, each a few microseconds of GPU and 15-20
-    of host: at 128K tokens the host took 1.1 ms while the GPU worked 0.3 ms
-    (results/scale/logs/h200_s18_callA_experts_gaps.txt)."""
+    + (e's earlier slots in its chunk); `_rows_blocks_kernel` writes, one program per expert,
+    each row's expert block (first, count), marks the padding rows and writes the ends. The
+    reference's sort, cumsums, scatters and searchsorted are some 60 launches, each a few
+    microseconds of GPU and 10-20 of host: at 128K tokens on an H200 the reference costs 742 us
+    of host and 200 us of GPU a call, the four kernels 167 us of host and 130 us of GPU
+    (results/scale/logs/h200_s19_callC_expert_rows_probe.txt)."""
     n, k = top_k_index.shape
     dev = top_k_index.device
     if n * k == 0 or triton is None or not (top_k_index.is_cuda or INTERPRET):
@@ -206,16 +212,18 @@ def expert_rows(top_k_index: Tensor, num_experts: int) -> ExpertRows:
         first=torch.empty(rows, dtype=torch.int32, device=dev),
         count=torch.empty(rows, dtype=torch.int32, device=dev),
     )
+    warps = ROWS_WARPS
     _rows_hist_kernel[(chunks,)](ids, hist, slots, chunks, experts, CHUNK=ROWS_CHUNK,
-                                 BLOCK_E=block_e)  # fmt: skip
-    _rows_scan_kernel[(experts,)](hist, before, counts, chunks, BLOCK_C=ROWS_SCAN)
+                                 BLOCK_E=block_e, num_warps=warps)  # fmt: skip
+    _rows_scan_kernel[(experts,)](hist, before, counts, chunks, BLOCK_C=ROWS_SCAN,
+                                  num_warps=warps)  # fmt: skip
     _rows_place_kernel[(chunks,)](
         ids, before, counts, layout.src, layout.pos, slots, chunks, experts, k, PAD=PAD_ROWS,
-        CHUNK=ROWS_CHUNK, BLOCK_E=block_e,
+        CHUNK=ROWS_CHUNK, BLOCK_E=block_e, num_warps=warps,
     )  # fmt: skip
-    _rows_blocks_kernel[(triton.cdiv(rows, ROWS_CHUNK),)](
+    _rows_blocks_kernel[(experts + 1,)](
         counts, layout.src, layout.first, layout.count, layout.ends, rows, experts,
-        PAD=PAD_ROWS, BLOCK_R=ROWS_CHUNK, BLOCK_E=block_e,
+        PAD=PAD_ROWS, BLOCK_R=ROWS_SCAN, BLOCK_E=block_e, num_warps=warps,
     )  # fmt: skip
     return layout
 
@@ -302,24 +310,25 @@ def _rows_blocks_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    # row r's block: the first expert whose end is past r, E (the unused rows) past the last;
-    # Src = -1 on the rows no slot takes, which `_rows_place_kernel` leaves alone
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    # program x < E: expert x's rows, each given the block (first, count), Src = -1 on the padding
+    # rows past its slots (`_rows_place_kernel` writes the others); program E: the unused rows
+    # past the last expert, one block of their own
+    x = tl.program_id(0)
     e, counts, padded, first, ends = _expert_blocks(Counts, E, PAD, BLOCK_E)
-    live = e < E
-    block = tl.sum((live[None, :] & (ends[None, :] <= r[:, None])).to(tl.int32), axis=1)
+    mine = e == x
     used_rows = tl.sum(padded, axis=0)
-    mine = e[None, :] == block[:, None]
-    in_expert = block < E
-    start = tl.where(in_expert, tl.sum(tl.where(mine, first[None, :], 0), axis=1), used_rows)
-    size = tl.where(in_expert, tl.sum(tl.where(mine, padded[None, :], 0), axis=1), R - used_rows)
-    taken = tl.sum(tl.where(mine, counts[None, :], 0), axis=1)  # 0 past the last expert
-    r_ok = r < R
-    tl.store(First + r, start, mask=r_ok)
-    tl.store(Count + r, size, mask=r_ok)
-    tl.store(Src + r, tl.full([BLOCK_R], -1, tl.int32), mask=r_ok & (r - start >= taken))
-    if tl.program_id(0) == 0:
-        tl.store(Ends + e, ends, mask=live)
+    start = tl.where(x < E, tl.sum(tl.where(mine, first, 0), axis=0), used_rows)
+    size = tl.where(x < E, tl.sum(tl.where(mine, padded, 0), axis=0), R - used_rows)
+    taken = tl.sum(tl.where(mine, counts, 0), axis=0)  # 0 for the unused rows
+    for offset in range(0, size, BLOCK_R):
+        local = offset + tl.arange(0, BLOCK_R)
+        ok = local < size
+        r = start + local
+        tl.store(First + r, tl.full([BLOCK_R], 0, tl.int32) + start, mask=ok)
+        tl.store(Count + r, tl.full([BLOCK_R], 0, tl.int32) + size, mask=ok)
+        tl.store(Src + r, tl.full([BLOCK_R], -1, tl.int32), mask=ok & (local >= taken))
+    if x == 0:
+        tl.store(Ends + e, ends, mask=e < E)
 
 
 @jit
