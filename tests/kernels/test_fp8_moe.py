@@ -20,6 +20,8 @@ kernel's own gate_up products, each within the bound plus the accumulation term.
 
 from __future__ import annotations
 
+import dataclasses
+
 import interpreter_suite
 import pytest
 import torch
@@ -86,6 +88,15 @@ def truth_of(x, index, weights, gu, gu_s, dn, dn_s):
             gate, up = h.chunk(2)
             out[t] += float(weights[t, j]) * (wd[e] @ (torch.nn.functional.silu(gate) * up))
     return out
+
+
+def assert_same_layout(got, want):
+    """Every tensor of the two `ExpertRows` equal, dtype and shape too, and so their spans."""
+    for field in dataclasses.fields(want):
+        a, b = getattr(got, field.name), getattr(want, field.name)
+        assert a.dtype == b.dtype and a.shape == b.shape, field.name
+        assert torch.equal(a, b), field.name
+    assert expert_spans_later(got)() == expert_spans(want)
 
 
 # ---------------------------------------------------------------- layout and reference (CPU)
@@ -273,13 +284,7 @@ def test_kernel_expert_rows_equal_the_reference(
     monkeypatch.setattr(fp8_moe, "ROWS_CHUNK", chunk)
     monkeypatch.setattr(fp8_moe, "ROWS_SCAN", scan)
     index, _ = routes(n, k, experts, seed=n + 1, empty=empty, device=DEVICE)
-    got = expert_rows(index.to(index_dtype), experts)
-    want = expert_rows_ref(index, experts)
-    for field in ("src", "pos", "ends", "first", "count"):
-        a, b = getattr(got, field), getattr(want, field)
-        assert a.dtype == b.dtype and a.shape == b.shape, field
-        assert torch.equal(a, b), field
-    assert expert_spans_later(got)() == expert_spans(want)
+    assert_same_layout(expert_rows(index.to(index_dtype), experts), expert_rows_ref(index, experts))
 
 
 @kernel_test
@@ -484,11 +489,7 @@ def test_gpu_pass_one_at_128k_tokens():
     x = activations(n, hidden, seed=5, dtype=torch.bfloat16, device="cuda")
     index, _ = routes(n, 8, 128, seed=5, device="cuda")
     layout = expert_rows(index, 128)
-    want = fp8_moe.expert_rows_ref(index, 128)
-    for field in ("src", "pos", "ends", "first", "count"):
-        assert torch.equal(getattr(layout, field), getattr(want, field)), field
-    assert expert_spans_later(layout)() == expert_spans(want)
-    del want
+    assert_same_layout(layout, expert_rows_ref(index, 128))
     tq, ts = fp8_moe.token_quant(x)
     want_q, want_s = fp8_act_quant(x)
     assert torch.equal(tq[:n].view(torch.uint8), want_q.view(torch.uint8))
