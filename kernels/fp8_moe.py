@@ -373,10 +373,13 @@ def _quant_store(
 
 
 @jit
-def _rounded(x, DTYPE: tl.constexpr):
-    """fp32 x rounded to DTYPE (nearest, ties to even), as fp32. bf16 by its bits: Triton's
-    interpreter does not round fp32 -> bf16 casts to nearest (triton 3.9)."""
-    if DTYPE == tl.bfloat16:
+def _rounded(x, DTYPE: tl.constexpr, BITS: tl.constexpr):
+    """fp32 x rounded to DTYPE (nearest, ties to even), as fp32. On a GPU the casts round so
+    (one instruction each way); with BITS (the interpreter, which does not round fp32 -> bf16
+    casts to nearest, triton 3.9) bf16 is rounded by its bits, a dozen integer operations per
+    value that made the gate ALU-bound: 1.30 ms against 1.13 ms with the casts at 128K tokens
+    on an H200, the same bytes (results/scale/logs/h200_s20_callA_gated_quant_probe.txt)."""
+    if BITS and DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         return bits.to(tl.float32, bitcast=True)
@@ -449,8 +452,8 @@ def _gated_quant_kernel(
     gate = tl.load(ptrs, mask=ok, other=0.0)
     up = tl.load(ptrs + INTER, mask=ok, other=0.0)
     gf = gate.to(tl.float32)
-    act = _rounded(gf / (1.0 + tl.exp(-gf)), gate.dtype)
-    y = _rounded(act * up.to(tl.float32), gate.dtype)
+    act = _rounded(gf / (1.0 + tl.exp(-gf)), gate.dtype, ROUND)
+    y = _rounded(act * up.to(tl.float32), gate.dtype, ROUND)
     _quant_store(y, rows, cols, r_ok, c_ok, XQ, XS, First, Count, stride_qm, R, G, BLOCKED, ROUND)
 
 
