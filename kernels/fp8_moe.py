@@ -61,6 +61,9 @@ BLOCK_ROWS = 32  # token_quant
 QUANT_WARPS = 4
 GATED_ROWS = 32  # gated_quant
 GATED_WARPS = 4
+# Tokens and warps per program of the one-pass form of pass 1 (`scatter_quant`).
+SCATTER_ROWS = 32
+SCATTER_WARPS = 4
 # Bytes one program of the row gather copies: whole rows of next_power_of_2(K) bytes (8 rows at
 # K = 2048), in GATHER_WARPS warps.
 GATHER_BYTES = 16384
@@ -364,11 +367,18 @@ def _quant_store(
     """Quantise the [BLOCK_ROWS, GROUP] fp32 tile y (group pid 1) as `fp8_gemm`'s activation
     pass does, and store it and its scales (`_scale_offsets`)."""
     s = _dynamic_scales(y)
+    q = _to_e4m3(y, s, ROUND)
+    _store_quantised(q, s, rows, cols, r_ok, c_ok, XQ, XS, First, Count, stride_qm, R, G, BLOCKED)
+
+
+@jit
+def _store_quantised(
+    q, s, rows, cols, r_ok, c_ok, XQ, XS, First, Count, stride_qm, R, G, BLOCKED: tl.constexpr
+):
+    """Store the e4m3 tile q [BLOCK_ROWS, GROUP] at rows `rows` and its scales s (group pid 1)."""
     ok = r_ok[:, None] & c_ok[None, :]
-    q_ptrs = XQ + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :]
-    tl.store(q_ptrs, _to_e4m3(y, s, ROUND), mask=ok)
-    g = tl.program_id(1)
-    where = _scale_offsets(rows, g, r_ok, First, Count, R, G, BLOCKED)
+    tl.store(XQ + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], q, mask=ok)
+    where = _scale_offsets(rows, tl.program_id(1), r_ok, First, Count, R, G, BLOCKED)
     tl.store(XS + where, s, mask=r_ok)
 
 
@@ -422,6 +432,79 @@ def _gather_quantised_kernel(
     s = tl.load(TS + src[:, None] * G + g, mask=ok)
     where = _scale_offsets(rows[:, None], g, r_ok[:, None], First, Count, R, G, BLOCKED)
     tl.store(XS + where, s, mask=ok)
+
+
+@jit
+def _scatter_quant_kernel(
+    X,
+    Pos,
+    XQ,
+    XS,
+    First,
+    Count,
+    N,
+    R,
+    K,
+    stride_xm,
+    stride_qm,
+    G,
+    TOP_K: tl.constexpr,
+    BLOCKED: tl.constexpr,
+    ROUND: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    GROUP: tl.constexpr,
+):
+    # one program: BLOCK_M tokens x one group of K, quantised once and stored at each of the
+    # tokens' TOP_K rows Pos [N, TOP_K]
+    tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    t_ok = tokens < N
+    c_ok = cols < K
+    tokens64 = tokens.to(tl.int64)
+    ok = t_ok[:, None] & c_ok[None, :]
+    x = tl.load(X + tokens64[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    s = _dynamic_scales(x)
+    q = _to_e4m3(x, s, ROUND)
+    for j in tl.static_range(TOP_K):
+        rows = tl.load(Pos + tokens64 * TOP_K + j, mask=t_ok, other=0)
+        _store_quantised(q, s, rows, cols, t_ok, c_ok, XQ, XS, First, Count, stride_qm, R, G,
+                         BLOCKED)  # fmt: skip
+
+
+@jit
+def _padding_rows_kernel(
+    Src,
+    Ends,
+    XQ,
+    XS,
+    First,
+    Count,
+    R,
+    K,
+    E,
+    stride_qm,
+    G,
+    PAD: tl.constexpr,
+    BLOCKED: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # the rows no token reads, as a zero token's: e4m3 zeros and the zero group's scale. Program
+    # e < E: the last PAD rows of expert e (its padding is fewer than PAD rows, all at its end;
+    # rows another expert's tokens fill are skipped); program E + i: rows PAD i.. past the last
+    # expert's end. Group pid 1.
+    e = tl.program_id(0)
+    end = tl.load(Ends + tl.minimum(e, E - 1))
+    start = tl.where(e < E, end - PAD, end + (e - E) * PAD)
+    rows = start + tl.arange(0, PAD)
+    src = tl.load(Src + rows, mask=(rows >= 0) & (rows < R), other=0)
+    r_ok = (rows >= 0) & (rows < R) & (src < 0)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    zero = tl.zeros([PAD, BLOCK_K], dtype=tl.float32)
+    s = _dynamic_scales(zero)
+    q = zero.to(tl.float8e4nv)
+    _store_quantised(q, s, rows, cols, r_ok, cols < K, XQ, XS, First, Count, stride_qm, R, G,
+                     BLOCKED)  # fmt: skip
 
 
 @jit
@@ -516,6 +599,34 @@ def gather_quant(x: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, 
     """Pass 1: row r of the layout = x[src[r]] quantised (a zero row where src is -1), as
     `gather_quantised` of `token_quant`: quantising a row and gathering it commute exactly."""
     return gather_quantised(*token_quant(x), layout, blocked)
+
+
+def scatter_quant(x: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, Tensor]:
+    """Pass 1 in one pass over the tokens: each token of x [N, K] read and quantised once, then
+    stored at each of its k rows (`layout.pos`), and the padding rows written as a zero token's.
+    The same bytes as `gather_quant`, without its token-major copy: x is read once, the rows
+    written once (e4m3 [R, K], fp32 scales [G * R], blocked or group-major [G, R])."""
+    check_triton_launch("scatter_quant", x, layout.pos)
+    (n, k), r, top_k = x.shape, layout.rows, layout.pos.shape[1]
+    group = CUBLAS_BLOCK[1]
+    groups = triton.cdiv(k, group)
+    experts = layout.ends.shape[0]
+    xq = torch.empty(r, k, dtype=FP8_DTYPE, device=x.device)
+    xs = torch.empty(groups * r, dtype=torch.float32, device=x.device)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    pos = layout.pos.contiguous()
+    spare = (PAD_ROWS - 1) * experts  # rows past the last expert: at most all the padding
+    _padding_rows_kernel[(experts + triton.cdiv(spare, PAD_ROWS), groups)](
+        layout.src, layout.ends, xq, xs, layout.first, layout.count, r, k, experts,
+        xq.stride(0), groups, PAD=PAD_ROWS, BLOCKED=blocked, BLOCK_K=group, num_warps=1,
+    )  # fmt: skip
+    if n:
+        _scatter_quant_kernel[(triton.cdiv(n, SCATTER_ROWS), groups)](
+            x, pos, xq, xs, layout.first, layout.count, n, r, k, x.stride(0), xq.stride(0),
+            groups, TOP_K=top_k, BLOCKED=blocked, ROUND=INTERPRET, BLOCK_M=SCATTER_ROWS,
+            GROUP=group, num_warps=SCATTER_WARPS,
+        )  # fmt: skip
+    return xq, xs
 
 
 def gated_quant(h: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, Tensor]:
@@ -750,7 +861,7 @@ def _experts(hidden, top_k_index, top_k_weights, gate_up, gu_s, down, d_s, block
     scales = cublas_scales(top_k_index.numel(), hidden, gate_up, gu_s, down, d_s, block)
     if scales is not None:
         spans_of = expert_spans_later(layout)
-        xq, xs = gather_quant(hidden, layout, blocked=True)
+        xq, xs = scatter_quant(hidden, layout, blocked=True)
         spans = spans_of()
         h = _cublas_products(xq, xs, gate_up, scales[0], spans, dtype)
         del xq, xs  # each buffer is freed as soon as it is read (a 128K-token call holds ~6 GiB)
@@ -758,7 +869,7 @@ def _experts(hidden, top_k_index, top_k_weights, gate_up, gu_s, down, d_s, block
         del h
         y = _cublas_products(aq, a_s, down, scales[1], spans, dtype)
     else:
-        xq, xs = gather_quant(hidden, layout, blocked=False)
+        xq, xs = scatter_quant(hidden, layout, blocked=False)
         h = _triton_products(xq, xs, gate_up, gu_s, layout, block, dtype)
         del xq, xs
         aq, a_s = gated_quant(h, layout, blocked=False)

@@ -21,6 +21,7 @@ kernel's own gate_up products, each within the bound plus the accumulation term.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import interpreter_suite
 import pytest
@@ -57,6 +58,9 @@ from test_fp8_gemm import (
     fp8_kernel_test,
     quantized_weight,
 )
+
+# the two forms of pass 1: token_quant then the byte gather, and the one-pass scatter
+PASS_ONE = (fp8_moe.gather_quant, fp8_moe.scatter_quant)
 
 
 def routes(n, k, experts, seed=0, empty=(), device="cpu"):
@@ -316,7 +320,7 @@ def check_stages(got, x, index, weights, gu, gu_s, dn, dn_s):
     reference's; then got against the reference's down, gate and weighted sum of that h."""
     layout = expert_rows(index, gu.shape[0])
     assert not fp8_moe._use_cublas(index.numel(), x, gu, dn, (128, 128))
-    xq, xs = fp8_moe.gather_quant(x, layout, blocked=False)
+    xq, xs = fp8_moe.scatter_quant(x, layout, blocked=False)
     h = fp8_moe._triton_products(xq, xs, gu, gu_s.float(), layout, (128, 128), x.dtype)
     live = layout.src >= 0
     rows_x = torch.where(live[:, None], x[layout.src.long().clamp_min(0)], 0)
@@ -341,14 +345,14 @@ def check_stages(got, x, index, weights, gu, gu_s, dn, dn_s):
 @kernel_test
 @fp8_kernel_test
 def test_kernel_quantisation_passes_equal_act_quant():
-    """Pass 1 writes each row as `fp8_act_quant` quantises its token; pass 3 the quantised gate
-    of the reference, in both scale layouts."""
+    """Pass 1 (both forms) writes each row as `fp8_act_quant` quantises its token; pass 3 the
+    quantised gate of the reference, in both scale layouts."""
     x, index, *_ = moe(23, 3, 4, 256, 128, torch.float16, device=DEVICE)
     layout = expert_rows(index, 4)
     live = layout.src >= 0
     want_q, want_s = act_quant_ref(x[layout.src[live].long()], 128)
-    for blocked in (False, True):
-        xq, xs = fp8_moe.gather_quant(x, layout, blocked)
+    for blocked, pass_one in itertools.product((False, True), PASS_ONE):
+        xq, xs = pass_one(x, layout, blocked)
         assert torch.equal(xq[live].float(), want_q.float())
         assert bool((xq[~live].float() == 0).all())
         rows = torch.arange(layout.rows, device=x.device)
@@ -387,7 +391,8 @@ def test_kernel_pass_one_quantises_tokens_then_copies_their_bytes(
     """`token_quant` writes each token as `fp8_act_quant` does (the same kernel, token-major) and a
     zero row after them, bit for bit; `gather_quantised` copies them into the row layout exactly
     as `gather_quantised_ref` does, in both scale layouts, padding rows included; `gather_quant`
-    is the two, and quantises each row as `act_quant_ref` quantises its token."""
+    is the two, and quantises each row as `act_quant_ref` quantises its token; `scatter_quant`,
+    the same pass in one read of the tokens, writes the same bytes."""
     x = activations(n, hidden, seed=n, dtype=dtype, device=DEVICE)
     if n > 3:
         x[3] = 0  # a zero token: the same values as a padding row
@@ -415,6 +420,9 @@ def test_kernel_pass_one_quantises_tokens_then_copies_their_bytes(
         want_q, want_s = gather_quantised_ref(ref_q, ref_s, layout, blocked)
         assert torch.equal(got_q.float(), want_q.float())  # torch's cast may round to -0
         torch.testing.assert_close(got_s, want_s, rtol=1e-6, atol=0)
+        one_q, one_s = fp8_moe.scatter_quant(x, layout, blocked)
+        assert torch.equal(one_q.view(torch.uint8), xq.view(torch.uint8))
+        assert torch.equal(one_s, xs)
 
 
 @kernel_test
@@ -480,9 +488,9 @@ def test_gpu_the_models_experts_on_both_backends(n, monkeypatch):
 @pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
 def test_gpu_pass_one_at_128k_tokens():
     """Pass 1 on a 128K-token chunk of Qwen3-30B-A3B (H 2048, 128 experts, top 8, bf16: a
-    million rows): `expert_rows` equals `expert_rows_ref`, `token_quant` equals `fp8_act_quant`
-    and `gather_quantised` equals `gather_quantised_ref`, bit for bit, in both scale layouts.
-    Prints each kernel's time."""
+    million rows): `expert_rows` equals `expert_rows_ref`, `token_quant` equals `fp8_act_quant`,
+    `gather_quantised` equals `gather_quantised_ref` and `scatter_quant` the two, bit for bit, in
+    both scale layouts. Prints each kernel's time."""
     from triton.testing import do_bench
 
     n, hidden = 131072, 2048
@@ -503,14 +511,20 @@ def test_gpu_pass_one_at_128k_tokens():
         want_q, want_s = gather_quantised_ref(tq, ts, layout, blocked)
         assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(xs, want_s)
-        del xq, xs, want_q, want_s
+        del want_q, want_s
+        one_q, one_s = fp8_moe.scatter_quant(x, layout, blocked)
+        assert torch.equal(one_q.view(torch.uint8), xq.view(torch.uint8))
+        assert torch.equal(one_s, xs)
+        del xq, xs, one_q, one_s
     ms_rows = do_bench(lambda: expert_rows(index, 128))
     ms_rows_ref = do_bench(lambda: expert_rows_ref(index, 128))
     ms_quant = do_bench(lambda: fp8_moe.token_quant(x))
     ms_gather = do_bench(lambda: fp8_moe.gather_quantised(tq, ts, layout, True))
+    ms_scatter = do_bench(lambda: fp8_moe.scatter_quant(x, layout, True))
     print(
         f"pass 1 at 128K tokens: expert_rows {ms_rows:.3f} ms (reference {ms_rows_ref:.3f}), "
-        f"token_quant {ms_quant:.3f} ms, gather {ms_gather:.3f} ms"
+        f"token_quant {ms_quant:.3f} ms, gather {ms_gather:.3f} ms, "
+        f"scatter_quant (both in one) {ms_scatter:.3f} ms"
     )
 
 

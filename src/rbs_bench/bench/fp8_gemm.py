@@ -30,7 +30,7 @@ same rows, and where cuBLAS takes the experts' shape its per-expert loop
 (`fp8_triton`); the whole experts block (`fp8_moe_experts`) and, where its products run on
 cuBLAS, the block with its per-expert calls launched from 1, 2 and 4 host threads
 (`fp8_threads<n>`; the default count is `fp8`) and each of its stages alone (`stage_*`: the
-row layout, the quantised gather, gate_up, the gate with down's quantisation, down with its
+row layout, the rows quantised, gate_up, the gate with down's quantisation, down with its
 weight scales laid out as cuBLAS reads them, the weighted sum); where the Triton products run
 in the persistent TMA form (Hopper), the pointer kernel beside it (`fp8_gemm_pointer`, and
 `fp8_triton_pointer` for the block); for the plain layers also cuBLAS's fp8 product with one
@@ -411,12 +411,12 @@ def time_experts(tokens, rep_ms) -> dict:
 
 
 # the experts block's stages on its cuBLAS path, in the order `fp8_moe._experts` runs them
-STAGES = ("rows", "gather", "gate_up", "gate", "down", "combine")
+STAGES = ("rows", "quantise", "gate_up", "gate", "down", "combine")
 
 
 def experts_stages(args) -> dict:
     """{stage: a call of that stage alone on its own inputs} for `fp8_moe_experts` where its
-    products run on cuBLAS (`STAGES`: the expert-sorted row layout, the quantised gather, gate_up,
+    products run on cuBLAS (`STAGES`: the expert-sorted row layout, the rows quantised, gate_up,
     the gate with down's quantisation, down, the weighted sum); {} where they stay on Triton.
     The stages' times add up to the block's less the launch gaps between them."""
     from rbs_bench.kernels import fp8_moe as fm
@@ -427,13 +427,13 @@ def experts_stages(args) -> dict:
         return {}
     layout = fm.expert_rows(index, gu.shape[0])
     spans = fm.expert_spans(layout)
-    xq, xs = fm.gather_quant(x, layout, blocked=True)
+    xq, xs = fm.scatter_quant(x, layout, blocked=True)
     h = fm._cublas_products(xq, xs, gu, scales[0], spans, x.dtype)
     aq, a_s = fm.gated_quant(h, layout, blocked=True)
     y = fm._cublas_products(aq, a_s, dn, scales[1], spans, x.dtype)
     calls = (
         lambda: fm.expert_spans(fm.expert_rows(index, gu.shape[0])),
-        lambda: fm.gather_quant(x, layout, blocked=True),
+        lambda: fm.scatter_quant(x, layout, blocked=True),
         lambda: fm._cublas_products(xq, xs, gu, scales[0], spans, x.dtype),
         lambda: fm.gated_quant(h, layout, blocked=True),
         lambda: fm._cublas_products(aq, a_s, dn, scales[1], spans, x.dtype),

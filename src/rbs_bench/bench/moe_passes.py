@@ -46,6 +46,7 @@ GRID = [
     ),
     ("gather", "fp8_moe", {"GATHER_BYTES": [16384, 8192, 32768], "GATHER_WARPS": [4, 8]}),
     ("token_quant", "fp8_moe", {"BLOCK_ROWS": [32, 16, 64], "QUANT_WARPS": [4, 8]}),
+    ("scatter_quant", "fp8_moe", {"SCATTER_ROWS": [32, 16, 64], "SCATTER_WARPS": [4, 8]}),
 ]
 
 
@@ -97,6 +98,9 @@ def runner(name: str, a: dict):
     if name == "gather":
         moved = 2 * rows * (HIDDEN + 4 * groups)
         return (lambda: fp8_moe.gather_quantised(a["tq"], a["ts"], a["layout"], True)), moved
+    if name == "scatter_quant":
+        moved = n * HIDDEN * act + n * TOP_K * (HIDDEN + 4 * groups)
+        return (lambda: fp8_moe.scatter_quant(a["x"], a["layout"], True)), moved
     if name == "gated_quant":
         moved = rows * 2 * INTER * act + rows * (INTER + 4 * inter_groups)
         return (lambda: fp8_moe.gated_quant(a["h"], a["layout"], True)), moved
