@@ -61,8 +61,8 @@ BLOCK_ROWS = 32  # token_quant
 QUANT_WARPS = 4
 GATED_ROWS = 32  # gated_quant
 GATED_WARPS = 4
-# Tokens and warps per program of the one-pass form of pass 1 (`scatter_quant`).
-SCATTER_ROWS = 32
+# Whole tokens and warps per program of the one-pass form of pass 1 (`scatter_quant`).
+SCATTER_ROWS = 4
 SCATTER_WARPS = 4
 # Bytes one program of the row gather copies: whole rows of next_power_of_2(K) bytes (8 rows at
 # K = 2048), in GATHER_WARPS warps.
@@ -452,24 +452,28 @@ def _scatter_quant_kernel(
     BLOCKED: tl.constexpr,
     ROUND: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     GROUP: tl.constexpr,
 ):
-    # one program: BLOCK_M tokens x one group of K, quantised once and stored at each of the
-    # tokens' TOP_K rows Pos [N, TOP_K]
+    # one program: BLOCK_M whole tokens (BLOCK_G groups of GROUP >= K), quantised once and
+    # stored at each of the tokens' TOP_K rows Pos [N, TOP_K], every row in one piece
     tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    cols = tl.arange(0, BLOCK_G * GROUP)
     t_ok = tokens < N
-    c_ok = cols < K
+    ok = t_ok[:, None] & (cols < K)[None, :]
     tokens64 = tokens.to(tl.int64)
-    ok = t_ok[:, None] & c_ok[None, :]
     x = tl.load(X + tokens64[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0)
-    x = x.to(tl.float32)
+    x = tl.reshape(x.to(tl.float32), (BLOCK_M * BLOCK_G, GROUP))  # one group a row
     s = _dynamic_scales(x)
-    q = _to_e4m3(x, s, ROUND)
+    q = tl.reshape(_to_e4m3(x, s, ROUND), (BLOCK_M, BLOCK_G * GROUP))
+    s = tl.reshape(s, (BLOCK_M, BLOCK_G))
+    g = tl.arange(0, BLOCK_G)[None, :]
+    s_ok = t_ok[:, None] & (g < G)
     for j in tl.static_range(TOP_K):
         rows = tl.load(Pos + tokens64 * TOP_K + j, mask=t_ok, other=0)
-        _store_quantised(q, s, rows, cols, t_ok, c_ok, XQ, XS, First, Count, stride_qm, R, G,
-                         BLOCKED)  # fmt: skip
+        tl.store(XQ + rows[:, None] * stride_qm + cols[None, :], q, mask=ok)
+        where = _scale_offsets(rows[:, None], g, t_ok[:, None], First, Count, R, G, BLOCKED)
+        tl.store(XS + where, s, mask=s_ok)
 
 
 @jit
@@ -621,10 +625,10 @@ def scatter_quant(x: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor,
         xq.stride(0), groups, PAD=PAD_ROWS, BLOCKED=blocked, BLOCK_K=group, num_warps=1,
     )  # fmt: skip
     if n:
-        _scatter_quant_kernel[(triton.cdiv(n, SCATTER_ROWS), groups)](
+        _scatter_quant_kernel[(triton.cdiv(n, SCATTER_ROWS),)](
             x, pos, xq, xs, layout.first, layout.count, n, r, k, x.stride(0), xq.stride(0),
             groups, TOP_K=top_k, BLOCKED=blocked, ROUND=INTERPRET, BLOCK_M=SCATTER_ROWS,
-            GROUP=group, num_warps=SCATTER_WARPS,
+            BLOCK_G=triton.next_power_of_2(groups), GROUP=group, num_warps=SCATTER_WARPS,
         )  # fmt: skip
     return xq, xs
 

@@ -46,7 +46,7 @@ GRID = [
     ),
     ("gather", "fp8_moe", {"GATHER_BYTES": [16384, 8192, 32768], "GATHER_WARPS": [4, 8]}),
     ("token_quant", "fp8_moe", {"BLOCK_ROWS": [32, 16, 64], "QUANT_WARPS": [4, 8]}),
-    ("scatter_quant", "fp8_moe", {"SCATTER_ROWS": [32, 16, 64], "SCATTER_WARPS": [4, 8]}),
+    ("scatter_quant", "fp8_moe", {"SCATTER_ROWS": [4, 2, 8, 16], "SCATTER_WARPS": [4, 8]}),
 ]
 
 
