@@ -6,12 +6,12 @@ a new bf16 buffer, their quantisation (a second pass over that buffer), the gate
 (one more bf16 buffer) and its quantisation. `fp8_moe_experts` does the same arithmetic in four
 passes:
 
-1. the rows quantised, in two kernels: `token_quant` quantises each token once with
-   `fp8_gemm`'s activation kernel (e4m3 and one fp32 scale per 128-wide group), and after the N
-   tokens a zero row, the padding rows' values; `_gather_quantised_kernel` copies each row's
-   token (or the zero row) into the row layout, its K bytes and G scales. The bf16 gather buffer
-   is never written, and each token's hidden state is read once instead of once per row: at top
-   8, the rows' reads are 8 copies of K e4m3 bytes instead of 8 copies of 2 K bf16 bytes;
+1. the rows quantised in one kernel (`scatter_quant`): each token is read once, quantised once
+   with `fp8_gemm`'s activation arithmetic (e4m3 and one fp32 scale per 128-wide group) and
+   stored whole at each of its k rows; a small kernel writes the padding rows as a zero token's.
+   No bf16 gather buffer is written, x is read once and the rows written once, as e4m3 (about
+   2.8 GB at 128K tokens of Qwen3-30B-A3B, where quantising the tokens and then gathering their
+   bytes moved about 5 GB);
 2. the gate_up product of each expert's rows;
 3. `_gated_quant_kernel`: silu(gate) * up, rounded to the hidden dtype as transformers rounds it,
    then quantised for the down product (one read of the gate_up output, FP8 written);
@@ -34,8 +34,8 @@ group-major scales [K / 128, R].
 
 The values equal `fp8_moe_experts_ref`'s, the same steps in PyTorch (the gather, the references
 of `fp8_gemm`, transformers' gate, `moe_combine_ref`), up to the products' fp32 summation order;
-quantising a row and gathering it commute exactly. Exposed as the custom op
-`rbs_bench::fp8_moe_experts`, opaque to torch.compile.
+quantising a row and gathering it commute exactly (`scatter_quant_ref` quantises, then
+gathers). Exposed as the custom op `rbs_bench::fp8_moe_experts`, opaque to torch.compile.
 """
 
 from __future__ import annotations
@@ -50,24 +50,28 @@ import torch
 from torch import Tensor
 
 from . import fp8_gemm
-from .fp8_gemm import CUBLAS_BLOCK, FP8_DTYPE, _dynamic_scales, _to_e4m3, fp8_grouped_linear_ref
+from .fp8_gemm import (
+    CUBLAS_BLOCK,
+    FP8_DTYPE,
+    _dynamic_scales,
+    _to_e4m3,
+    act_quant_ref,
+    fp8_grouped_linear_ref,
+)
 from .moe_combine import _launch as _combine
 from .moe_combine import moe_combine_ref
 from .triton_util import INTERPRET, check_triton_launch, jit, tl, triton
 
 PAD_ROWS = 4  # cuBLAS's block-scaled recipe takes row counts that are a multiple of 4
-# Rows and warps per program of the two quantisation passes (`bench.moe_passes` times others).
-BLOCK_ROWS = 32  # token_quant
-QUANT_WARPS = 4
-GATED_ROWS = 32  # gated_quant
+# Rows and warps per program of the gate's quantisation pass (`bench.moe_passes` times others).
+GATED_ROWS = 32
 GATED_WARPS = 4
-# Whole tokens and warps per program of the one-pass form of pass 1 (`scatter_quant`).
+# Whole tokens and warps per program of pass 1 (`scatter_quant`). At 128K tokens on an H200 it
+# took 1.11 ms where quantising the tokens then gathering their bytes into the rows took 0.29 +
+# 1.20 ms (results/scale/logs/h200_s21_callB_scatter_whole_rows_fp8_gemm_ttft.txt); storing
+# 128-byte pieces of rows (a program per 32 tokens and one group) took 1.27 ms (..._callA_...).
 SCATTER_ROWS = 4
 SCATTER_WARPS = 4
-# Bytes one program of the row gather copies: whole rows of next_power_of_2(K) bytes (8 rows at
-# K = 2048), in GATHER_WARPS warps.
-GATHER_BYTES = 16384
-GATHER_WARPS = 4
 # cuBLAS runs the products from this many rows per expert on average. Each expert's call costs
 # the host about 50 us; at 2,048 rows per expert (a 32K-token chunk of Qwen3-30B-A3B) the calls
 # leave the GPU waiting and the block took 14.5 ms against 6.4 ms on Triton; at 8,192 rows
@@ -367,18 +371,11 @@ def _quant_store(
     """Quantise the [BLOCK_ROWS, GROUP] fp32 tile y (group pid 1) as `fp8_gemm`'s activation
     pass does, and store it and its scales (`_scale_offsets`)."""
     s = _dynamic_scales(y)
-    q = _to_e4m3(y, s, ROUND)
-    _store_quantised(q, s, rows, cols, r_ok, c_ok, XQ, XS, First, Count, stride_qm, R, G, BLOCKED)
-
-
-@jit
-def _store_quantised(
-    q, s, rows, cols, r_ok, c_ok, XQ, XS, First, Count, stride_qm, R, G, BLOCKED: tl.constexpr
-):
-    """Store the e4m3 tile q [BLOCK_ROWS, GROUP] at rows `rows` and its scales s (group pid 1)."""
     ok = r_ok[:, None] & c_ok[None, :]
-    tl.store(XQ + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], q, mask=ok)
-    where = _scale_offsets(rows, tl.program_id(1), r_ok, First, Count, R, G, BLOCKED)
+    q_ptrs = XQ + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :]
+    tl.store(q_ptrs, _to_e4m3(y, s, ROUND), mask=ok)
+    g = tl.program_id(1)
+    where = _scale_offsets(rows, g, r_ok, First, Count, R, G, BLOCKED)
     tl.store(XS + where, s, mask=r_ok)
 
 
@@ -395,43 +392,6 @@ def _rounded(x, DTYPE: tl.constexpr, BITS: tl.constexpr):
         return bits.to(tl.float32, bitcast=True)
     else:
         return x.to(DTYPE).to(tl.float32)
-
-
-@jit
-def _gather_quantised_kernel(
-    TQ,
-    TS,
-    Src,
-    XQ,
-    XS,
-    First,
-    Count,
-    N,
-    R,
-    K,
-    stride_tm,
-    stride_qm,
-    G,
-    BLOCKED: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-):
-    # one program: BLOCK_M whole rows (BLOCK_K >= K bytes); row r copies row Src[r] of the token
-    # rows TQ [N + 1, K] (e4m3 as bytes) and of their scales TS [N + 1, G], row N where Src is -1
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    r_ok = rows < R
-    src = tl.load(Src + rows, mask=r_ok, other=-1)
-    src = tl.where(src >= 0, src, N).to(tl.int64)
-    cols = tl.arange(0, BLOCK_K)
-    ok = r_ok[:, None] & (cols < K)[None, :]
-    q = tl.load(TQ + src[:, None] * stride_tm + cols[None, :], mask=ok)
-    tl.store(XQ + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :], q, mask=ok)
-    g = tl.arange(0, BLOCK_G)[None, :]
-    ok = r_ok[:, None] & (g < G)
-    s = tl.load(TS + src[:, None] * G + g, mask=ok)
-    where = _scale_offsets(rows[:, None], g, r_ok[:, None], First, Count, R, G, BLOCKED)
-    tl.store(XS + where, s, mask=ok)
 
 
 @jit
@@ -477,7 +437,7 @@ def _scatter_quant_kernel(
 
 
 @jit
-def _padding_rows_kernel(
+def _padding_quant_kernel(
     Src,
     Ends,
     XQ,
@@ -491,24 +451,29 @@ def _padding_rows_kernel(
     G,
     PAD: tl.constexpr,
     BLOCKED: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    GROUP: tl.constexpr,
 ):
-    # the rows no token reads, as a zero token's: e4m3 zeros and the zero group's scale. Program
-    # e < E: the last PAD rows of expert e (its padding is fewer than PAD rows, all at its end;
-    # rows another expert's tokens fill are skipped); program E + i: rows PAD i.. past the last
-    # expert's end. Group pid 1.
+    # the rows no token reads, whole, as a zero token's: e4m3 zeros and the zero group's scale.
+    # Program e < E: the last PAD rows of expert e (its padding is fewer than PAD rows, all at
+    # its end; rows another expert's tokens fill are skipped); program E + i: rows PAD i.. past
+    # the last expert's end
     e = tl.program_id(0)
     end = tl.load(Ends + tl.minimum(e, E - 1))
     start = tl.where(e < E, end - PAD, end + (e - E) * PAD)
     rows = start + tl.arange(0, PAD)
-    src = tl.load(Src + rows, mask=(rows >= 0) & (rows < R), other=0)
-    r_ok = (rows >= 0) & (rows < R) & (src < 0)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    zero = tl.zeros([PAD, BLOCK_K], dtype=tl.float32)
-    s = _dynamic_scales(zero)
-    q = zero.to(tl.float8e4nv)
-    _store_quantised(q, s, rows, cols, r_ok, cols < K, XQ, XS, First, Count, stride_qm, R, G,
-                     BLOCKED)  # fmt: skip
+    in_range = (rows >= 0) & (rows < R)
+    src = tl.load(Src + rows, mask=in_range, other=0)
+    r_ok = in_range & (src < 0)
+    cols = tl.arange(0, BLOCK_G * GROUP)
+    rows64 = rows.to(tl.int64)
+    zero = tl.zeros([PAD, BLOCK_G * GROUP], dtype=tl.float32).to(tl.float8e4nv)
+    tl.store(XQ + rows64[:, None] * stride_qm + cols[None, :], zero,
+             mask=r_ok[:, None] & (cols < K)[None, :])  # fmt: skip
+    g = tl.arange(0, BLOCK_G)[None, :]
+    s = _dynamic_scales(tl.zeros([PAD * BLOCK_G, 1], dtype=tl.float32))  # a zero group's
+    where = _scale_offsets(rows[:, None], g, r_ok[:, None], First, Count, R, G, BLOCKED)
+    tl.store(XS + where, tl.reshape(s, (PAD, BLOCK_G)), mask=r_ok[:, None] & (g < G))
 
 
 @jit
@@ -544,72 +509,35 @@ def _gated_quant_kernel(
     _quant_store(y, rows, cols, r_ok, c_ok, XQ, XS, First, Count, stride_qm, R, G, BLOCKED, ROUND)
 
 
-def token_quant(x: Tensor) -> tuple[Tensor, Tensor]:
-    """Pass 1, first kernel: each token of x [N, K] quantised once, then a zero row: (e4m3
-    [N + 1, K], fp32 scales [N + 1, G] token-major); the values of `act_quant_ref` on [x; 0]."""
-    check_triton_launch("token_quant", x)
-    n, k = x.shape
-    groups = triton.cdiv(k, CUBLAS_BLOCK[1])
-    xq = torch.empty(n + 1, k, dtype=FP8_DTYPE, device=x.device)
-    xs = torch.empty(n + 1, groups, dtype=torch.float32, device=x.device)
-    # fp8_gemm's activation pass over n + 1 rows, the last loaded as zeros, scales token-major
-    fp8_gemm._act_quant_kernel[(triton.cdiv(n + 1, BLOCK_ROWS), groups)](
-        x, xq, xs, xs, n + 1, n, k, *x.stride(), *xq.stride(), xs.stride(1), xs.stride(0),
-        STATIC=False, ROUND=INTERPRET, BLOCK_M=BLOCK_ROWS, GROUP=CUBLAS_BLOCK[1],
-        num_warps=QUANT_WARPS,
-    )  # fmt: skip
-    return xq, xs
-
-
-def gather_quantised(
-    tq: Tensor, ts: Tensor, layout: ExpertRows, blocked: bool
-) -> tuple[Tensor, Tensor]:
-    """Pass 1, second kernel: row r of the layout = row src[r] of the token rows tq [N + 1, K]
-    (e4m3) and of their scales ts [N + 1, G] (row N where src is -1), a copy of bytes: (e4m3
-    [R, K], fp32 scales [G * R], blocked or group-major [G, R])."""
-    check_triton_launch("gather_quantised", tq, ts, layout.src)
-    r, (n1, k), groups = layout.rows, tq.shape, ts.shape[1]
-    xq = torch.empty(r, k, dtype=FP8_DTYPE, device=tq.device)
-    xs = torch.empty(groups * r, dtype=torch.float32, device=tq.device)
-    width = triton.next_power_of_2(k)
-    block_m = max(1, GATHER_BYTES // width)
-    _gather_quantised_kernel[(triton.cdiv(r, block_m),)](
-        tq.view(torch.uint8), ts, layout.src, xq.view(torch.uint8), xs, layout.first,
-        layout.count, n1 - 1, r, k, tq.stride(0), xq.stride(0), groups, BLOCKED=blocked,
-        BLOCK_M=block_m, BLOCK_K=width, BLOCK_G=triton.next_power_of_2(groups),
-        num_warps=GATHER_WARPS,
-    )  # fmt: skip
-    return xq, xs
-
-
-def gather_quantised_ref(
-    tq: Tensor, ts: Tensor, layout: ExpertRows, blocked: bool
-) -> tuple[Tensor, Tensor]:
-    """`gather_quantised` in PyTorch: the same bytes and scales, placed by indexing."""
-    r, groups = layout.rows, ts.shape[1]
-    src = torch.where(layout.src >= 0, layout.src, tq.shape[0] - 1).long()
-    rows = torch.arange(r, device=tq.device)
-    g = torch.arange(groups, device=tq.device)[:, None]
+def place_scales(scales: Tensor, layout: ExpertRows, blocked: bool) -> Tensor:
+    """Row scales [R, G] laid out flat [G * R] as the products read them: blocked, expert x's
+    [G, count_x] at G * first_x (row-count-major); else group-major [G, R]."""
+    r, groups = scales.shape
+    rows = torch.arange(r, device=scales.device)
+    g = torch.arange(groups, device=scales.device)[:, None]
     if blocked:
         where = (groups - 1) * layout.first.long() + rows + g * layout.count.long()
     else:
         where = g * r + rows
-    xs = torch.empty(groups * r, dtype=torch.float32, device=tq.device)
-    xs[where] = ts[src].t()
-    return tq[src], xs
+    out = torch.empty(groups * r, dtype=scales.dtype, device=scales.device)
+    out[where] = scales.t()
+    return out
 
 
-def gather_quant(x: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, Tensor]:
-    """Pass 1: row r of the layout = x[src[r]] quantised (a zero row where src is -1), as
-    `gather_quantised` of `token_quant`: quantising a row and gathering it commute exactly."""
-    return gather_quantised(*token_quant(x), layout, blocked)
+def scatter_quant_ref(x: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, Tensor]:
+    """`scatter_quant` in PyTorch: the tokens and a zero row quantised by `act_quant_ref`, then
+    row r of the layout = row src[r] (the zero row where src is -1), scales by `place_scales`."""
+    n, k = x.shape
+    tq, ts = act_quant_ref(torch.cat([x, x.new_zeros(1, k)]), CUBLAS_BLOCK[1])
+    src = torch.where(layout.src >= 0, layout.src, n).long()
+    return tq[src], place_scales(ts[src], layout, blocked)
 
 
 def scatter_quant(x: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor, Tensor]:
-    """Pass 1 in one pass over the tokens: each token of x [N, K] read and quantised once, then
-    stored at each of its k rows (`layout.pos`), and the padding rows written as a zero token's.
-    The same bytes as `gather_quant`, without its token-major copy: x is read once, the rows
-    written once (e4m3 [R, K], fp32 scales [G * R], blocked or group-major [G, R])."""
+    """Pass 1: row r of the layout = x[src[r]] quantised, a zero token's values where src is -1
+    (e4m3 [R, K], fp32 scales [G * R], blocked or group-major [G, R]). Each token of x [N, K] is
+    read and quantised once, by `fp8_act_quant`'s arithmetic, and stored whole at each of its k
+    rows (`layout.pos`); a second, small kernel writes the padding rows."""
     check_triton_launch("scatter_quant", x, layout.pos)
     (n, k), r, top_k = x.shape, layout.rows, layout.pos.shape[1]
     group = CUBLAS_BLOCK[1]
@@ -620,15 +548,17 @@ def scatter_quant(x: Tensor, layout: ExpertRows, blocked: bool) -> tuple[Tensor,
     x = x if x.stride(1) == 1 else x.contiguous()
     pos = layout.pos.contiguous()
     spare = (PAD_ROWS - 1) * experts  # rows past the last expert: at most all the padding
-    _padding_rows_kernel[(experts + triton.cdiv(spare, PAD_ROWS), groups)](
+    block_g = triton.next_power_of_2(groups)
+    _padding_quant_kernel[(experts + triton.cdiv(spare, PAD_ROWS),)](
         layout.src, layout.ends, xq, xs, layout.first, layout.count, r, k, experts,
-        xq.stride(0), groups, PAD=PAD_ROWS, BLOCKED=blocked, BLOCK_K=group, num_warps=1,
+        xq.stride(0), groups, PAD=PAD_ROWS, BLOCKED=blocked, BLOCK_G=block_g, GROUP=group,
+        num_warps=SCATTER_WARPS,
     )  # fmt: skip
     if n:
         _scatter_quant_kernel[(triton.cdiv(n, SCATTER_ROWS),)](
             x, pos, xq, xs, layout.first, layout.count, n, r, k, x.stride(0), xq.stride(0),
             groups, TOP_K=top_k, BLOCKED=blocked, ROUND=INTERPRET, BLOCK_M=SCATTER_ROWS,
-            BLOCK_G=triton.next_power_of_2(groups), GROUP=group, num_warps=SCATTER_WARPS,
+            BLOCK_G=block_g, GROUP=group, num_warps=SCATTER_WARPS,
         )  # fmt: skip
     return xq, xs
 

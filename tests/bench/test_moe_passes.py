@@ -37,8 +37,8 @@ def test_every_setting_writes_the_default_bytes(tmp_path):
 def test_a_changed_setting_is_restored():
     from rbs_bench.kernels import fp8_moe
 
-    before = fp8_moe.GATHER_BYTES
-    with pytest.raises(RuntimeError), moe_passes.settings(fp8_moe, {"GATHER_BYTES": 64}):
-        assert fp8_moe.GATHER_BYTES == 64
+    before = fp8_moe.SCATTER_ROWS
+    with pytest.raises(RuntimeError), moe_passes.settings(fp8_moe, {"SCATTER_ROWS": 64}):
+        assert fp8_moe.SCATTER_ROWS == 64
         raise RuntimeError
-    assert fp8_moe.GATHER_BYTES == before
+    assert fp8_moe.SCATTER_ROWS == before

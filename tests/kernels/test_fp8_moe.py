@@ -21,7 +21,6 @@ kernel's own gate_up products, each within the bound plus the accumulation term.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import interpreter_suite
 import pytest
@@ -43,7 +42,8 @@ from rbs_bench.kernels.fp8_moe import (
     expert_spans_later,
     fp8_moe_experts,
     fp8_moe_experts_ref,
-    gather_quantised_ref,
+    place_scales,
+    scatter_quant_ref,
     silu_gate_ref,
 )
 from rbs_bench.kernels.moe_combine import moe_combine_ref
@@ -58,9 +58,6 @@ from test_fp8_gemm import (
     fp8_kernel_test,
     quantized_weight,
 )
-
-# the two forms of pass 1: token_quant then the byte gather, and the one-pass scatter
-PASS_ONE = (fp8_moe.gather_quant, fp8_moe.scatter_quant)
 
 
 def routes(n, k, experts, seed=0, empty=(), device="cpu"):
@@ -143,18 +140,18 @@ def test_spans_read_later_off_cuda_are_the_spans():
     assert sum(count for _, count in spans) == int(layout.ends[-1])
 
 
-def test_gather_reference_lays_scales_out_as_the_products_read_them():
-    """`gather_quantised_ref`: row r holds its token's bytes (the zero row where src is -1), and
-    its scales lie where the products read them: [G, count] per expert at G * first (the cuBLAS
-    loop's view) or group-major [G, R] (the Triton product's)."""
+def test_pass_one_reference_lays_scales_out_as_the_products_read_them():
+    """`scatter_quant_ref`: row r holds its token quantised (a zero token where src is -1), and
+    its scales (`place_scales`) lie where the products read them: [G, count] per expert at
+    G * first (the cuBLAS loop's view) or group-major [G, R] (the Triton product's)."""
     index, _ = routes(11, 3, 5, seed=4, empty=(1,))
     layout = expert_rows(index, 5)
-    x = torch.cat([activations(11, 300, seed=3), torch.zeros(1, 300)])
-    tq, ts = act_quant_ref(x, 128)  # [N + 1, K], [N + 1, G]
+    x = activations(11, 300, seed=3)
+    tq, ts = act_quant_ref(torch.cat([x, torch.zeros(1, 300)]), 128)  # [N + 1, K], [N + 1, G]
     src = torch.where(layout.src >= 0, layout.src, 11).long()
     groups, r = ts.shape[1], layout.rows
     for blocked in (False, True):
-        xq, xs = gather_quantised_ref(tq, ts, layout, blocked)
+        xq, xs = scatter_quant_ref(x, layout, blocked)
         assert torch.equal(xq.view(torch.uint8), tq[src].view(torch.uint8))
         if not blocked:
             assert torch.equal(xs.view(groups, r), ts[src].t())
@@ -345,14 +342,14 @@ def check_stages(got, x, index, weights, gu, gu_s, dn, dn_s):
 @kernel_test
 @fp8_kernel_test
 def test_kernel_quantisation_passes_equal_act_quant():
-    """Pass 1 (both forms) writes each row as `fp8_act_quant` quantises its token; pass 3 the
-    quantised gate of the reference, in both scale layouts."""
+    """Pass 1 writes each row as `fp8_act_quant` quantises its token; pass 3 the quantised gate
+    of the reference, in both scale layouts."""
     x, index, *_ = moe(23, 3, 4, 256, 128, torch.float16, device=DEVICE)
     layout = expert_rows(index, 4)
     live = layout.src >= 0
     want_q, want_s = act_quant_ref(x[layout.src[live].long()], 128)
-    for blocked, pass_one in itertools.product((False, True), PASS_ONE):
-        xq, xs = pass_one(x, layout, blocked)
+    for blocked in (False, True):
+        xq, xs = fp8_moe.scatter_quant(x, layout, blocked)
         assert torch.equal(xq[live].float(), want_q.float())
         assert bool((xq[~live].float() == 0).all())
         rows = torch.arange(layout.rows, device=x.device)
@@ -376,53 +373,34 @@ def test_kernel_quantisation_passes_equal_act_quant():
 @pytest.mark.parametrize(
     "n, k, experts, hidden, dtype, empty",
     [
-        # R rows never a multiple of the gather's block (GATHER_BYTES // next_power_of_2(K)),
-        # token 3 (where there is one) all zeros
+        # N never a multiple of SCATTER_ROWS, token 3 (where there is one) all zeros
         (1, 1, 3, 128, torch.float32, ()),  # one token, two empty experts, one group
         (37, 3, 5, 200, torch.float16, (2,)),  # a partial group, K not a multiple of 16
         (45, 8, 16, 131, torch.float32, (0, 3, 15)),  # odd K, empty first and last experts
-        (70, 4, 6, 384, torch.float16, (0, 1, 5)),  # three empty experts
+        (70, 4, 6, 384, torch.float16, (0, 1, 5)),  # three groups (not a power of 2)
         (0, 2, 3, 256, torch.float32, ()),  # no tokens: every row is padding
     ],
 )
-def test_kernel_pass_one_quantises_tokens_then_copies_their_bytes(
+def test_kernel_pass_one_writes_each_row_as_its_token_quantised(
     n, k, experts, hidden, dtype, empty
 ):
-    """`token_quant` writes each token as `fp8_act_quant` does (the same kernel, token-major) and a
-    zero row after them, bit for bit; `gather_quantised` copies them into the row layout exactly
-    as `gather_quantised_ref` does, in both scale layouts, padding rows included; `gather_quant`
-    is the two, and quantises each row as `act_quant_ref` quantises its token; `scatter_quant`,
-    the same pass in one read of the tokens, writes the same bytes."""
+    """`scatter_quant`: row r holds exactly `fp8_act_quant`'s bytes and scales of token src[r]
+    (the same arithmetic, the same kernel helpers), a padding row those of a zero token, in both
+    scale layouts; and the values of `scatter_quant_ref`."""
     x = activations(n, hidden, seed=n, dtype=dtype, device=DEVICE)
     if n > 3:
         x[3] = 0  # a zero token: the same values as a padding row
     index, _ = routes(n, k, experts, seed=n, empty=empty, device=DEVICE)
     layout = expert_rows(index, experts)
-    tq, ts = fp8_moe.token_quant(x)
-    zero_q, zero_s = fp8_act_quant(torch.zeros(1, hidden, dtype=dtype, device=DEVICE))
-    if n:
-        want_q, want_s = fp8_act_quant(x)
-        assert torch.equal(tq[:n].view(torch.uint8), want_q.view(torch.uint8))
-        assert torch.equal(ts[:n], want_s.t())
-    assert torch.equal(tq[n:].view(torch.uint8), zero_q.view(torch.uint8))
-    assert bool((tq[n].view(torch.uint8) == 0).all()) and torch.equal(ts[n:], zero_s.t())
-    live = layout.src >= 0
-    ref_q, ref_s = act_quant_ref(torch.cat([x, x.new_zeros(1, hidden)]), 128)
+    tq, ts = fp8_act_quant(torch.cat([x, x.new_zeros(1, hidden)]))  # [N + 1, K], [G, N + 1]
+    src = torch.where(layout.src >= 0, layout.src, n).long()
     for blocked in (False, True):
-        xq, xs = fp8_moe.gather_quantised(tq, ts, layout, blocked)
-        want_q, want_s = gather_quantised_ref(tq, ts, layout, blocked)
-        assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
-        assert torch.equal(xs, want_s)
-        assert bool((xq[~live].view(torch.uint8) == 0).all())
-        got_q, got_s = fp8_moe.gather_quant(x, layout, blocked)
-        assert torch.equal(got_q.view(torch.uint8), xq.view(torch.uint8))
-        assert torch.equal(got_s, xs)
-        want_q, want_s = gather_quantised_ref(ref_q, ref_s, layout, blocked)
-        assert torch.equal(got_q.float(), want_q.float())  # torch's cast may round to -0
-        torch.testing.assert_close(got_s, want_s, rtol=1e-6, atol=0)
-        one_q, one_s = fp8_moe.scatter_quant(x, layout, blocked)
-        assert torch.equal(one_q.view(torch.uint8), xq.view(torch.uint8))
-        assert torch.equal(one_s, xs)
+        xq, xs = fp8_moe.scatter_quant(x, layout, blocked)
+        assert torch.equal(xq.view(torch.uint8), tq[src].view(torch.uint8))
+        want_q, want_s = scatter_quant_ref(x, layout, blocked)
+        assert torch.equal(xs, place_scales(ts.t()[src], layout, blocked))
+        assert torch.equal(xq.float(), want_q.float())  # torch's cast may round to -0
+        torch.testing.assert_close(xs, want_s, rtol=1e-6, atol=0)
 
 
 @kernel_test
@@ -488,9 +466,9 @@ def test_gpu_the_models_experts_on_both_backends(n, monkeypatch):
 @pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
 def test_gpu_pass_one_at_128k_tokens():
     """Pass 1 on a 128K-token chunk of Qwen3-30B-A3B (H 2048, 128 experts, top 8, bf16: a
-    million rows): `expert_rows` equals `expert_rows_ref`, `token_quant` equals `fp8_act_quant`,
-    `gather_quantised` equals `gather_quantised_ref` and `scatter_quant` the two, bit for bit, in
-    both scale layouts. Prints each kernel's time."""
+    million rows): `expert_rows` equals `expert_rows_ref`, and `scatter_quant` writes each row
+    as `fp8_act_quant` quantises its token, bit for bit, in both scale layouts. Prints each
+    kernel's time."""
     from triton.testing import do_bench
 
     n, hidden = 131072, 2048
@@ -498,33 +476,19 @@ def test_gpu_pass_one_at_128k_tokens():
     index, _ = routes(n, 8, 128, seed=5, device="cuda")
     layout = expert_rows(index, 128)
     assert_same_layout(layout, expert_rows_ref(index, 128))
-    tq, ts = fp8_moe.token_quant(x)
-    want_q, want_s = fp8_act_quant(x)
-    assert torch.equal(tq[:n].view(torch.uint8), want_q.view(torch.uint8))
-    assert torch.equal(ts[:n], want_s.t())
-    del want_q, want_s
-    zero_q, zero_s = fp8_act_quant(x.new_zeros(1, hidden))
-    assert torch.equal(tq[n:].view(torch.uint8), zero_q.view(torch.uint8))
-    assert torch.equal(ts[n:], zero_s.t())
+    tq, ts = fp8_act_quant(torch.cat([x, x.new_zeros(1, hidden)]))
+    src = torch.where(layout.src >= 0, layout.src, n).long()
     for blocked in (False, True):
-        xq, xs = fp8_moe.gather_quantised(tq, ts, layout, blocked)
-        want_q, want_s = gather_quantised_ref(tq, ts, layout, blocked)
-        assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8))
-        assert torch.equal(xs, want_s)
-        del want_q, want_s
-        one_q, one_s = fp8_moe.scatter_quant(x, layout, blocked)
-        assert torch.equal(one_q.view(torch.uint8), xq.view(torch.uint8))
-        assert torch.equal(one_s, xs)
-        del xq, xs, one_q, one_s
+        xq, xs = fp8_moe.scatter_quant(x, layout, blocked)
+        assert torch.equal(xq.view(torch.uint8), tq[src].view(torch.uint8))
+        assert torch.equal(xs, place_scales(ts.t()[src], layout, blocked))
+        del xq, xs
     ms_rows = do_bench(lambda: expert_rows(index, 128))
     ms_rows_ref = do_bench(lambda: expert_rows_ref(index, 128))
-    ms_quant = do_bench(lambda: fp8_moe.token_quant(x))
-    ms_gather = do_bench(lambda: fp8_moe.gather_quantised(tq, ts, layout, True))
-    ms_scatter = do_bench(lambda: fp8_moe.scatter_quant(x, layout, True))
+    ms_pass = do_bench(lambda: fp8_moe.scatter_quant(x, layout, True))
     print(
         f"pass 1 at 128K tokens: expert_rows {ms_rows:.3f} ms (reference {ms_rows_ref:.3f}), "
-        f"token_quant {ms_quant:.3f} ms, gather {ms_gather:.3f} ms, "
-        f"scatter_quant (both in one) {ms_scatter:.3f} ms"
+        f"scatter_quant {ms_pass:.3f} ms"
     )
 
 

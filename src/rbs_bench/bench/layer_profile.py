@@ -47,7 +47,7 @@ PATHS = ("eager", "compiled")
 FAMILIES = (
     ("selector", r"_rbs_|block_stats|rescue_beta|_select|_score|_prep|_estimate|_pool"),
     ("attention", r"fmha|flash|sdpa|attention|attn|_block_sparse|cudnn"),
-    # the FP8 activation passes, the experts' gather of quantised rows among them
+    # the FP8 activation passes, the stores of the experts' quantised rows among them
     # (kernels/fp8_gemm.py, fp8_moe.py)
     ("quantise", r"quant"),
     ("gemm", r"^triton_tem|gemm|gemv|cutlass|nvjet|xmma|matmul|cublas|s16816|wgmma|fp8"),

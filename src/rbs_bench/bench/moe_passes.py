@@ -1,14 +1,15 @@
 """The FP8 experts' row passes over a small grid of launch settings, at one prompt length.
 
-The block-FP8 experts (`kernels/fp8_moe.py`) spend, besides their two products, four passes over
-their rows: the per-token quantisation and the byte gather of pass 1, the gate's quantisation
-(pass 3) and the weighted sum (`kernels/moe_combine.py`). Each moves a known number of bytes and
-does little arithmetic, so its time against those bytes says how near it runs to the GPU's memory
-bandwidth. This script times each pass with the kernels' module settings (rows per program,
-warps, bytes per program) set to each point of a small grid, on Qwen3-30B-A3B's shape (hidden
-2048, 768 per expert, 128 experts, top 8), checks that every setting writes exactly the bytes of
-the default setting (the settings only tile the work), and writes one CSV row per pass and
-setting with its milliseconds, GB/s and time against the default's.
+The block-FP8 experts (`kernels/fp8_moe.py`) spend, besides their two products, three passes over
+their rows: pass 1 (each token quantised once and stored at its rows, `scatter_quant`), the
+gate's quantisation (pass 3) and the weighted sum (`kernels/moe_combine.py`). Each moves a known
+number of bytes and does little arithmetic, so its time against those bytes says how near it
+runs to the GPU's memory bandwidth. This script times each pass with the kernels' module
+settings (rows or tokens per program, warps) set to each point of a small grid, on
+Qwen3-30B-A3B's shape (hidden 2048, 768 per expert, 128 experts, top 8), checks that every
+setting writes exactly the bytes of the default setting (the settings only tile the work), and
+writes one CSV row per pass and setting with its milliseconds, GB/s and time against the
+default's.
 
     python -m rbs_bench.bench.moe_passes [--tokens 131072] [--out results/speed]
 
@@ -34,6 +35,7 @@ HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
 
 # (pass, module, {setting: values}); the first value of each setting is the kernels' default
 GRID = [
+    ("scatter_quant", "fp8_moe", {"SCATTER_ROWS": [4, 2, 8, 16], "SCATTER_WARPS": [4, 8]}),
     ("gated_quant", "fp8_moe", {"GATED_ROWS": [32, 16, 64, 128], "GATED_WARPS": [4, 8]}),
     (
         "combine",
@@ -44,9 +46,6 @@ GRID = [
             "COMBINE_WARPS": [8, 4],
         },
     ),
-    ("gather", "fp8_moe", {"GATHER_BYTES": [16384, 8192, 32768], "GATHER_WARPS": [4, 8]}),
-    ("token_quant", "fp8_moe", {"BLOCK_ROWS": [32, 16, 64], "QUANT_WARPS": [4, 8]}),
-    ("scatter_quant", "fp8_moe", {"SCATTER_ROWS": [4, 2, 8, 16], "SCATTER_WARPS": [4, 8]}),
 ]
 
 
@@ -72,13 +71,10 @@ def inputs(tokens: int, device) -> dict:
     layout = fp8_moe.expert_rows(index, EXPERTS)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     x = torch.randn(tokens, HIDDEN, generator=gen, device=device).to(dtype)
-    tq, ts = fp8_moe.token_quant(x)
     rows = layout.rows
     return {
         "layout": layout,
         "x": x,
-        "tq": tq,
-        "ts": ts,
         "h": torch.randn(rows, 2 * INTER, generator=gen, device=device).to(dtype),
         "y": torch.randn(rows, HIDDEN, generator=gen, device=device).to(dtype),
         "w": torch.softmax(scores, -1).to(dtype),
@@ -92,12 +88,6 @@ def runner(name: str, a: dict):
     n, rows = a["x"].shape[0], a["layout"].rows
     groups, inter_groups = HIDDEN // 128, INTER // 128
     act = a["x"].element_size()
-    if name == "token_quant":
-        moved = n * HIDDEN * act + (n + 1) * (HIDDEN + 4 * groups)
-        return (lambda: fp8_moe.token_quant(a["x"])), moved
-    if name == "gather":
-        moved = 2 * rows * (HIDDEN + 4 * groups)
-        return (lambda: fp8_moe.gather_quantised(a["tq"], a["ts"], a["layout"], True)), moved
     if name == "scatter_quant":
         moved = n * HIDDEN * act + n * TOP_K * (HIDDEN + 4 * groups)
         return (lambda: fp8_moe.scatter_quant(a["x"], a["layout"], True)), moved

@@ -307,7 +307,7 @@ def _fp8_gemm_table(src: Sources, gpu: str) -> str:
         for tokens, fp8, bf16 in fp8_layer_sums(every)
     ]
     note = (
-        "The experts row is the whole block as the compiled layers run it (the quantised gather, "
+        "The experts row is the whole block as the compiled layers run it (the rows quantised, "
         "both products, the gate, the weighted sum) against bf16 `grouped_mm` with its gather, "
         "gate and sum"
         + (", compiled as the bf16 layers run it" if "ms_bf16_compiled" in times else ", eager")
@@ -423,10 +423,12 @@ def moe_passes_h200(src: Sources) -> str:
         first = at[at["default"].astype(str) == "True"].iloc[0]
         best = at.loc[at["ms"].idxmin()]
         keys = [kv.split("=")[0] for kv in first["setting"].split()]
-        constant = lambda k: getattr(fp8_moe, k, None) or getattr(moe_combine, k)  # noqa: E731
-        now = " ".join(f"{k}={constant(k)}" for k in keys)
+        values = {k: getattr(fp8_moe, k, getattr(moe_combine, k, None)) for k in keys}
+        now = " ".join(f"{k}={v}" for k, v in values.items())
         used = at[at["setting"] == now]
         used_ms = f"{used['ms'].iloc[0]:.3f}" if len(used) else "–"
+        if None in values.values():  # a pass the kernels no longer run (its run is the record)
+            now, used_ms = "– (no longer run)", "–"
         rows.append([
             name, first["setting"], f"{first['ms']:.3f} ({first['gb_per_s']:.0f})",
             best["setting"], f"{best['ms']:.3f} ({best['gb_per_s']:.0f})",
