@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import fp8_gemm
+from . import cublaslt, fp8_gemm
 from .fp8_gemm import (
     CUBLAS_BLOCK,
     FP8_DTYPE,
@@ -72,11 +72,17 @@ GATED_WARPS = 4
 # 128-byte pieces of rows (a program per 32 tokens and one group) took 1.27 ms (..._callA_...).
 SCATTER_ROWS = 4
 SCATTER_WARPS = 4
-# cuBLAS runs the products from this many rows per expert on average. Each expert's call costs
-# the host about 50 us; at 2,048 rows per expert (a 32K-token chunk of Qwen3-30B-A3B) the calls
-# leave the GPU waiting and the block took 14.5 ms against 6.4 ms on Triton; at 8,192 rows
-# (128K tokens) 16.9 ms against 22.8 ms (H100, results/speed/fp8_gemm_*.csv, layer experts).
-CUBLAS_MIN_ROWS = 6144
+# cuBLAS runs the products from this many rows per expert on average where its calls go straight
+# to cuBLASLt (`cublaslt`), from CUBLAS_MIN_ROWS_SCALED_MM through `torch._scaled_mm`; fewer rows
+# stay on Triton. The block of Qwen3-30B-A3B on an H200 (2 launch threads), Triton / direct /
+# torch._scaled_mm, ms: 2,048 rows per expert (a 32K-token chunk) 4.86 / 4.56 / 6.98 (another
+# run: Triton 4.89, direct 5.17); 2,560 rows 5.92 / 5.02 / 6.56; 4,096 rows 10.49 / 7.51 / 8.15;
+# 8,192 rows (128K tokens) 20.01 / 13.65 / 14.01 (results/scale/logs/h200_s23_callABC_direct_
+# cublaslt.txt, ..._callD_...). Through torch._scaled_mm each call costs the host about 50 us: at
+# 2,048 rows on an H100 the block took 14.5 ms against 6.4 ms on Triton, at 8,192 rows 16.9 ms
+# against 22.8 ms (results/speed/fp8_gemm_*.csv, layer experts).
+CUBLAS_MIN_ROWS = 2560
+CUBLAS_MIN_ROWS_SCALED_MM = 6144
 # Host threads that launch the per-expert cuBLAS calls of one product, each on its own CUDA stream
 # (`launch_shares`). One call costs the host about 45 us and down's product about 31 us of an
 # H200, so from one thread down's 128 calls keep the GPU waiting; RBS_BENCH_FP8_LAUNCH_THREADS
@@ -698,32 +704,62 @@ def _cublas_products(
     """Each expert's rows [first, first + count) times its weight, one cuBLAS call each, into
     one [R, N] output (blocked scales); unused rows are zeros.
 
-    Every per-expert view comes from one call made before the loop (`split`, `unbind`; the
-    scales' [count, G] view from one `as_strided`), leaving the product as the loop's only call.
+    The calls go straight to cuBLASLt (`cublaslt.Products`: the same algorithm as
+    `torch._scaled_mm`, bit for bit, at about 12 us of host time a call against its 20-22) where
+    `cublaslt.available`, else through `torch._scaled_mm`, with every per-expert view made by one
+    call before the loop (`split`, `unbind`; the scales' [count, G] view from one `as_strided`).
     The calls are launched from `launch_threads()` host threads (`launch_shares`): on an H200 at
-    128K tokens one thread spends 5.9 ms launching down's 128 calls, whose kernels take 3.9 ms
-    (results/scale/logs/h200_s18_callA_experts_gaps.txt); taking turns over 2-4 CUDA streams
-    from one thread gained nothing (17.05-17.67 ms against 17.18-17.35 on one,
+    128K tokens one thread spent 5.9 ms launching down's 128 `torch._scaled_mm` calls, whose
+    kernels take 3.9 ms (results/scale/logs/h200_s18_callA_experts_gaps.txt); taking turns over
+    2-4 CUDA streams from one thread gained nothing (17.05-17.67 ms against 17.18-17.35 on one,
     results/scale/logs/h200x2_s11_call2_gpu_suite_streams_ttft.txt)."""
     r, k = xq.shape
     groups = k // CUBLAS_BLOCK[1]
-    out = torch.empty(r, weight.shape[1], dtype=out_dtype, device=xq.device)
+    n = weight.shape[1]
+    out = torch.empty(r, n, dtype=out_dtype, device=xq.device)
     used = spans[-1][0] + spans[-1][1] if spans else 0
-    sizes = [count for _, count in spans] + [r - used]
-    rows, outs = xq.split(sizes), out.split(sizes)
-    weights_t, scales_t = weight.transpose(1, 2).unbind(0), scales.transpose(1, 2).unbind(0)
     work = [(e, first, count) for e, (first, count) in enumerate(spans) if count]
+    device = xq.device
+    if _direct(xq, weight, scales, out_dtype):
+        products = cublaslt.products(device, n, k, out_dtype)
+        row, w_bytes, s_bytes = n * out.element_size(), weight.stride(0), 4 * scales.stride(0)
+        a0, s0, w0, ws0, o0 = (t.data_ptr() for t in (xq, xs, weight, scales, out))
+        calls = [(count, a0 + first * k, s0 + 4 * groups * first, w0 + e * w_bytes,
+                  ws0 + e * s_bytes, o0 + first * row) for e, first, count in work]  # fmt: skip
 
-    def launch(share: list) -> None:
-        for e, first, count in share:
-            a_s = xs.as_strided((count, groups), (1, count), groups * first)  # [G, count].t()
-            torch._scaled_mm(
-                rows[e], weights_t[e], a_s, scales_t[e], out_dtype=out_dtype, out=outs[e]
-            )  # fmt: skip
+        def launch(share: list) -> None:
+            products.launch(share, torch.cuda.current_stream(device))
 
-    launch_shares(work, launch, xq.device, launch_threads())
+        launch_shares(calls, launch, device, launch_threads())
+    else:
+        sizes = [count for _, count in spans] + [r - used]
+        rows, outs = xq.split(sizes), out.split(sizes)
+        weights_t, scales_t = weight.transpose(1, 2).unbind(0), scales.transpose(1, 2).unbind(0)
+
+        def launch(share: list) -> None:
+            for e, first, count in share:
+                a_s = xs.as_strided((count, groups), (1, count), groups * first)  # [G, count].t()
+                torch._scaled_mm(
+                    rows[e], weights_t[e], a_s, scales_t[e], out_dtype=out_dtype, out=outs[e]
+                )  # fmt: skip
+
+        launch_shares(work, launch, device, launch_threads())
     out[used:].zero_()
     return out
+
+
+def _direct(xq: Tensor, weight: Tensor, scales: Tensor, out_dtype) -> bool:
+    """Whether `_cublas_products` calls cuBLASLt itself: enabled, checked on this device, and the
+    operands laid out as the addresses it computes assume (rows, weights and scales of each expert
+    dense behind one base address each; xq's and the weights' bytes are e4m3)."""
+    n, k = weight.shape[1:]
+    return (
+        cublaslt.enabled()
+        and xq.is_contiguous()
+        and weight.stride()[1:] == (k, 1)
+        and scales.dtype == torch.float32
+        and cublaslt.available(xq.device)
+    )
 
 
 def _triton_products(
@@ -737,17 +773,19 @@ def _triton_products(
 
 
 def _use_cublas(rows: int, hidden: Tensor, gate_up: Tensor, down: Tensor, block) -> bool:
-    """cuBLAS for both products: at least `CUBLAS_MIN_ROWS` rows per expert on average (fewer,
-    a short chunk or a decode step, stay on one Triton launch each, without a host read), and
-    each weight's product as `fp8_gemm._use_cublas` takes a 2-d one, with K a multiple of 128
-    (a K / 128 that is not a multiple of 4 takes `cublas_weight_scales`)."""
-    return (
-        os.environ.get("RBS_BENCH_FP8_CUBLAS_GROUPED", "1") != "0"
-        and rows >= CUBLAS_MIN_ROWS * gate_up.shape[0]
-        and all(
-            fp8_gemm._use_cublas(hidden, w[0], block, None, hidden.dtype, CUBLAS_BLOCK[1])
-            for w in (gate_up, down)
-        )
+    """cuBLAS for both products: at least `CUBLAS_MIN_ROWS` rows per expert on average where the
+    calls go straight to cuBLASLt, `CUBLAS_MIN_ROWS_SCALED_MM` where they go through
+    `torch._scaled_mm` (fewer, a short chunk or a decode step, stay on one Triton launch each,
+    without a host read), and each weight's product as `fp8_gemm._use_cublas` takes a 2-d one,
+    with K a multiple of 128 (a K / 128 that is not a multiple of 4 takes
+    `cublas_weight_scales`)."""
+    if os.environ.get("RBS_BENCH_FP8_CUBLAS_GROUPED", "1") == "0" or not hidden.is_cuda:
+        return False
+    direct = cublaslt.enabled() and cublaslt.available(hidden.device)
+    per_expert = CUBLAS_MIN_ROWS if direct else CUBLAS_MIN_ROWS_SCALED_MM
+    return rows >= per_expert * gate_up.shape[0] and all(
+        fp8_gemm._use_cublas(hidden, w[0], block, None, hidden.dtype, CUBLAS_BLOCK[1])
+        for w in (gate_up, down)
     )
 
 
