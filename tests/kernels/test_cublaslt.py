@@ -68,3 +68,35 @@ def test_gpu_direct_products_are_scaled_mms_bytes(threads, monkeypatch):
         assert torch.equal(outs["1"], outs["0"]), (n, k)
         assert bool((outs["1"][sum(counts) :] == 0).all())
         assert float(outs["1"][:1000].float().abs().amax()) > 0
+
+
+def test_the_loop_hands_cublaslt_each_experts_addresses(monkeypatch):
+    """With the direct calls on, `_cublas_products` hands `Products.launch` one call per non-empty
+    expert: its row count and the addresses of its first row, its [G, count] block of scales, its
+    weight, its weight scales (in the padded layout down's K = 768 takes) and its first output
+    row, every call once over the launch threads' shares; the rows past the last expert are
+    zeros."""
+    calls = []
+
+    class Recorder:
+        def launch(self, share, stream=None):
+            calls.extend(share)
+
+    monkeypatch.setattr(fp8_moe, "_direct", lambda *args: True)
+    monkeypatch.setattr(cublaslt, "products", lambda *args: Recorder())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)  # a CPU machine
+    counts, groups, n = [8, 0, 4, 12], 6, 256
+    spans = [(sum(counts[:e]), c) for e, c in enumerate(counts)]
+    rows = sum(counts) + 6
+    xq = torch.zeros(rows, 128 * groups).to(torch.float8_e4m3fn)
+    xs = torch.rand(groups * rows)
+    weight, w_s = quantized_weight((len(counts), n, 128 * groups), (128, 128))
+    scales = fp8_moe.SCALE_LAYOUTS["padded_view"](w_s)
+    out = fp8_moe._cublas_products(xq, xs, weight, scales, spans, torch.bfloat16)
+    want = [
+        (c, xq[f].data_ptr(), xs[groups * f :].data_ptr(), weight[e].data_ptr(),
+         scales[e].data_ptr(), out[f].data_ptr())
+        for e, (f, c) in enumerate(spans) if c
+    ]  # fmt: skip
+    assert sorted(calls) == sorted(want)
+    assert bool((out[sum(counts) :] == 0).all())
