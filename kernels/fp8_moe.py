@@ -84,9 +84,11 @@ SCATTER_WARPS = 4
 CUBLAS_MIN_ROWS = 2560
 CUBLAS_MIN_ROWS_SCALED_MM = 6144
 # Host threads that launch the per-expert cuBLAS calls of one product, each on its own CUDA stream
-# (`launch_shares`). One call costs the host about 45 us and down's product about 31 us of an
-# H200, so from one thread down's 128 calls keep the GPU waiting; RBS_BENCH_FP8_LAUNCH_THREADS
-# overrides it (1: every call from the caller's thread, on its stream).
+# (`launch_shares`). Through torch._scaled_mm one call cost the host about 45 us and down's
+# product about 31 us of an H200, so from one thread down's 128 calls kept the GPU waiting; straight
+# to cuBLASLt (12-13.5 us a call) two threads still gave the fastest block at 128K tokens, 13.83
+# against 14.33-14.61 ms from one (results/scale/logs/h200_s23_callABC_direct_cublaslt.txt, call B).
+# RBS_BENCH_FP8_LAUNCH_THREADS overrides it (1: every call from the caller's thread, on its stream).
 LAUNCH_THREADS = 2
 # The row layout's counting sort (`expert_rows`): slots per chunk (each program compares a chunk's
 # slots pairwise, a [ROWS_CHUNK, ROWS_CHUNK] tile), chunks (rows) per step of the loop of a
@@ -720,7 +722,7 @@ def _cublas_products(
     used = spans[-1][0] + spans[-1][1] if spans else 0
     work = [(e, first, count) for e, (first, count) in enumerate(spans) if count]
     device = xq.device
-    if _direct(xq, weight, scales, out_dtype):
+    if _direct(xq, xs, weight, scales, out_dtype):
         products = cublaslt.products(device, n, k, out_dtype)
         row, w_bytes, s_bytes = n * out.element_size(), weight.stride(0), 4 * scales.stride(0)
         a0, s0, w0, ws0, o0 = (t.data_ptr() for t in (xq, xs, weight, scales, out))
@@ -748,14 +750,17 @@ def _cublas_products(
     return out
 
 
-def _direct(xq: Tensor, weight: Tensor, scales: Tensor, out_dtype) -> bool:
+def _direct(xq: Tensor, xs: Tensor, weight: Tensor, scales: Tensor, out_dtype) -> bool:
     """Whether `_cublas_products` calls cuBLASLt itself: enabled, checked on this device, and the
     operands laid out as the addresses it computes assume (rows, weights and scales of each expert
-    dense behind one base address each; xq's and the weights' bytes are e4m3)."""
+    dense behind one base address each; xq's and the weights' bytes are e4m3), bf16 out as
+    `cublaslt.available` checked it."""
     n, k = weight.shape[1:]
     return (
         cublaslt.enabled()
+        and out_dtype == torch.bfloat16
         and xq.is_contiguous()
+        and xs.is_contiguous()
         and weight.stride()[1:] == (k, 1)
         and scales.dtype == torch.float32
         and cublaslt.available(xq.device)

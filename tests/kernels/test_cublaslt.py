@@ -24,7 +24,7 @@ def test_no_library_means_no_direct_products(monkeypatch):
         cublaslt.Products(torch.device("cpu"), 256, 256, torch.bfloat16)
     xq = torch.zeros(8, 256).to(torch.float8_e4m3fn)
     weight, scales = quantized_weight((2, 256, 256), (128, 128))
-    assert not fp8_moe._direct(xq, weight, scales, torch.bfloat16)
+    assert not fp8_moe._direct(xq, torch.ones(16), weight, scales, torch.bfloat16)
 
 
 def test_the_environment_turns_direct_products_off(monkeypatch):
@@ -60,7 +60,7 @@ def test_gpu_direct_products_are_scaled_mms_bytes(threads, monkeypatch):
         outs = {}
         for direct in ("1", "0"):
             monkeypatch.setenv("RBS_BENCH_FP8_DIRECT_LT", direct)
-            assert fp8_moe._direct(xq, weight, scales, torch.bfloat16) == (direct == "1")
+            assert fp8_moe._direct(xq, xs, weight, scales, torch.bfloat16) == (direct == "1")
             with torch.inference_mode():
                 outs[direct] = fp8_moe._cublas_products(
                     xq, xs, weight, scales, spans, torch.bfloat16
