@@ -2,14 +2,16 @@
 
 `torch._scaled_mm` with 1 x 128 activation scales and 128 x 128 weight scales runs one cuBLASLt
 matmul, but each call builds a matmul descriptor, four matrix layouts and a preference, and asks
-cuBLASLt's heuristic for an algorithm before it launches: about 45 us of host time on an H200.
+cuBLASLt's heuristic for an algorithm before it launches: 20-22 us of host time on an H200.
 The experts of an FP8 MoE block make 2 x E such calls per layer (one per expert and product), and
 at 128K tokens of Qwen3-30B-A3B the GPU finishes many of them faster than the host issues them
 (docs/kernels.md). `Products` issues the same cuBLASLt matmul through ctypes with what does not
 change kept between calls: one descriptor and handle per host thread, the layouts by shape, and
 the heuristic's algorithm by (rows, N, K), asked once per new shape exactly as torch asks it
 (one result, the same descriptor attributes and workspace limit), so each product runs the
-kernel `torch._scaled_mm` would have run on it. A call then costs the host a few ctypes calls.
+kernel `torch._scaled_mm` would have run on it. A call then costs the host 12-13.5 us
+(results/scale/logs/h200_s23_callABC_direct_cublaslt.txt, call C). The output is bf16, the
+output dtype of this recipe in cuBLAS (`fp8_gemm._use_cublas`).
 
 The operands follow `torch._scaled_mm(a, w.t(), a_scales, w_scales.t())` (see
 `fp8_gemm.cublas_linear`): a [m, K] e4m3 rows, its scales [K / 128, m] group-major (m
@@ -21,7 +23,7 @@ activation scales `VEC128_32F` on B.
 The library is the libcublasLt that torch itself loaded. `available(device)` checks once per
 device that cuBLASLt is new enough for block scaling (12.9) and that a small product equals
 `torch._scaled_mm`'s bit for bit; where it does not, callers keep `torch._scaled_mm`.
-RBS_BENCH_FP8_DIRECT_LT=0 keeps `torch._scaled_mm` everywhere.
+RBS_BENCH_FP8_DIRECT_LT=0 keeps `torch._scaled_mm` everywhere (`in_use`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import Tensor
 # From cublasLt.h, cublas_api.h and library_types.h (CUDA 12.9 and later); checked against the
 # GPUs' CUDA 13.0 headers in results/scale/logs/h200_s23_callABC_direct_cublaslt.txt.
 CUBLAS_COMPUTE_32F = 68
-CUDA_R_32F, CUDA_R_16F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 2, 14, 28
+CUDA_R_32F, CUDA_R_16BF, CUDA_R_8F_E4M3 = 0, 14, 28
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 DESC_TRANSA, DESC_TRANSB = 3, 4
 DESC_A_SCALE_POINTER, DESC_B_SCALE_POINTER = 17, 18
@@ -48,7 +50,6 @@ SCALE_VEC128_32F, SCALE_BLK128x128_32F = 4, 5
 PREF_MAX_WORKSPACE_BYTES = 1
 MIN_VERSION = 120900  # block-scaled FP8 on Hopper came with cuBLAS 12.9
 WORKSPACE_BYTES = 32 << 20  # per stream; torch gives cuBLASLt 32 MiB on Hopper
-_OUT_TYPES = {torch.bfloat16: CUDA_R_16BF, torch.float16: CUDA_R_16F, torch.float32: CUDA_R_32F}
 
 
 class _Algo(Structure):
@@ -129,17 +130,15 @@ def _set(lib, setter, obj, attr: int, value) -> None:
 
 
 class Products:
-    """Block-scaled FP8 products of one weight shape [N, K] into `out_dtype`, issued straight to
+    """Block-scaled FP8 products of one weight shape [N, K] into bf16, issued straight to
     cuBLASLt (module docstring). Safe to use from several host threads at once: each thread has
     its own handle, descriptor and pointer cells, each stream its own workspace."""
 
-    def __init__(self, device: torch.device, n: int, k: int, out_dtype: torch.dtype):
+    def __init__(self, device: torch.device, n: int, k: int):
         self.lib = library()
         if self.lib is None:
             raise RuntimeError("cuBLASLt with block-scaled FP8 (12.9 or newer) was not found")
-        if out_dtype not in _OUT_TYPES:
-            raise ValueError(f"out_dtype must be one of {list(_OUT_TYPES)}; got {out_dtype}")
-        self.n, self.k, self.out_type = n, k, _OUT_TYPES[out_dtype]
+        self.n, self.k = n, k
         self.device = torch.device(device)
         self._local = threading.local()
         self._layouts: dict[tuple, c_void_p] = {}
@@ -199,7 +198,7 @@ class Products:
         if rows is None:
             handle, desc, pref = state[:3]
             a_layout = self._layout(CUDA_R_8F_E4M3, self.k, m, self.k)
-            d_layout = self._layout(self.out_type, self.n, m, self.n)
+            d_layout = self._layout(CUDA_R_16BF, self.n, m, self.n)
             result, found = _Heuristic(), c_int(0)
             _check(self.lib.cublasLtMatmulAlgoGetHeuristic(
                 handle, desc, self.w_layout, a_layout, d_layout, d_layout, pref, 1,
@@ -239,13 +238,18 @@ class Products:
 
 
 @functools.cache
-def products(device: torch.device, n: int, k: int, out_dtype: torch.dtype) -> Products:
+def products(device: torch.device, n: int, k: int) -> Products:
     """The `Products` of one device and shape, made once per process."""
-    return Products(device, n, k, out_dtype)
+    return Products(device, n, k)
 
 
 def enabled() -> bool:
     return os.environ.get("RBS_BENCH_FP8_DIRECT_LT", "1") != "0"
+
+
+def in_use(device: torch.device) -> bool:
+    """Whether products on `device` go straight to cuBLASLt: `enabled` and `available`."""
+    return enabled() and available(device)
 
 
 @functools.cache
@@ -264,7 +268,7 @@ def available(device: torch.device) -> bool:
         want = torch._scaled_mm(a, w.t(), a_s.t(), w_s.t(), out_dtype=torch.bfloat16)
         got = torch.empty_like(want)
         try:
-            products(device, n, k, torch.bfloat16).launch(
+            products(device, n, k).launch(
                 [(m, a.data_ptr(), a_s.data_ptr(), w.data_ptr(), w_s.data_ptr(), got.data_ptr())]
             )
         except RuntimeError:

@@ -77,10 +77,11 @@ SCATTER_WARPS = 4
 # stay on Triton. The block of Qwen3-30B-A3B on an H200 (2 launch threads), Triton / direct /
 # torch._scaled_mm, ms: 2,048 rows per expert (a 32K-token chunk) 4.86 / 4.56 / 6.98 (another
 # run: Triton 4.89, direct 5.17); 2,560 rows 5.92 / 5.02 / 6.56; 4,096 rows 10.49 / 7.51 / 8.15;
-# 8,192 rows (128K tokens) 20.01 / 13.65 / 14.01 (results/scale/logs/h200_s23_callABC_direct_
-# cublaslt.txt, ..._callD_...). Through torch._scaled_mm each call costs the host about 50 us: at
-# 2,048 rows on an H100 the block took 14.5 ms against 6.4 ms on Triton, at 8,192 rows 16.9 ms
-# against 22.8 ms (results/speed/fp8_gemm_*.csv, layer experts).
+# 8,192 rows (128K tokens) 20.01 / 13.65 / 14.01
+# (results/scale/logs/h200_s23_callD_crossover_tests_fp8_gemm.txt; the other run: ..._callABC_...).
+# Through torch._scaled_mm each call cost the host about 50 us on an H100, where at 2,048 rows the
+# block took 14.5 ms against 6.4 ms on Triton, at 8,192 rows 16.9 ms against 22.8 ms
+# (results/speed/fp8_gemm_*.csv, layer experts).
 CUBLAS_MIN_ROWS = 2560
 CUBLAS_MIN_ROWS_SCALED_MM = 6144
 # Host threads that launch the per-expert cuBLAS calls of one product, each on its own CUDA stream
@@ -708,7 +709,7 @@ def _cublas_products(
 
     The calls go straight to cuBLASLt (`cublaslt.Products`: the same algorithm as
     `torch._scaled_mm`, bit for bit, at about 12 us of host time a call against its 20-22) where
-    `cublaslt.available`, else through `torch._scaled_mm`, with every per-expert view made by one
+    `cublaslt.in_use`, else through `torch._scaled_mm`, with every per-expert view made by one
     call before the loop (`split`, `unbind`; the scales' [count, G] view from one `as_strided`).
     The calls are launched from `launch_threads()` host threads (`launch_shares`): on an H200 at
     128K tokens one thread spent 5.9 ms launching down's 128 `torch._scaled_mm` calls, whose
@@ -723,7 +724,7 @@ def _cublas_products(
     work = [(e, first, count) for e, (first, count) in enumerate(spans) if count]
     device = xq.device
     if _direct(xq, xs, weight, scales, out_dtype):
-        products = cublaslt.products(device, n, k, out_dtype)
+        products = cublaslt.products(device, n, k)
         row, w_bytes, s_bytes = n * out.element_size(), weight.stride(0), 4 * scales.stride(0)
         a0, s0, w0, ws0, o0 = (t.data_ptr() for t in (xq, xs, weight, scales, out))
         calls = [(count, a0 + first * k, s0 + 4 * groups * first, w0 + e * w_bytes,
@@ -757,13 +758,12 @@ def _direct(xq: Tensor, xs: Tensor, weight: Tensor, scales: Tensor, out_dtype) -
     `cublaslt.available` checked it."""
     n, k = weight.shape[1:]
     return (
-        cublaslt.enabled()
-        and out_dtype == torch.bfloat16
+        out_dtype == torch.bfloat16
         and xq.is_contiguous()
         and xs.is_contiguous()
         and weight.stride()[1:] == (k, 1)
         and scales.dtype == torch.float32
-        and cublaslt.available(xq.device)
+        and cublaslt.in_use(xq.device)
     )
 
 
@@ -786,8 +786,7 @@ def _use_cublas(rows: int, hidden: Tensor, gate_up: Tensor, down: Tensor, block)
     `cublas_weight_scales`)."""
     if os.environ.get("RBS_BENCH_FP8_CUBLAS_GROUPED", "1") == "0" or not hidden.is_cuda:
         return False
-    direct = cublaslt.enabled() and cublaslt.available(hidden.device)
-    per_expert = CUBLAS_MIN_ROWS if direct else CUBLAS_MIN_ROWS_SCALED_MM
+    per_expert = CUBLAS_MIN_ROWS if cublaslt.in_use(hidden.device) else CUBLAS_MIN_ROWS_SCALED_MM
     return rows >= per_expert * gate_up.shape[0] and all(
         fp8_gemm._use_cublas(hidden, w[0], block, None, hidden.dtype, CUBLAS_BLOCK[1])
         for w in (gate_up, down)

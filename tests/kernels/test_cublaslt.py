@@ -21,7 +21,7 @@ def test_no_library_means_no_direct_products(monkeypatch):
     assert not cublaslt.available(torch.device("cpu"))
     monkeypatch.setattr(cublaslt, "library", lambda: None)
     with pytest.raises(RuntimeError, match=r"cuBLASLt with block-scaled FP8 \(12.9 or newer\)"):
-        cublaslt.Products(torch.device("cpu"), 256, 256, torch.bfloat16)
+        cublaslt.Products(torch.device("cpu"), 256, 256)
     xq = torch.zeros(8, 256).to(torch.float8_e4m3fn)
     weight, scales = quantized_weight((2, 256, 256), (128, 128))
     assert not fp8_moe._direct(xq, torch.ones(16), weight, scales, torch.bfloat16)
