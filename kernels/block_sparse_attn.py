@@ -30,6 +30,7 @@ except ImportError:  # laptops and CI without triton: the references still work
     triton = None
 
 HAS_TRITON = triton is not None
+QUANT_GROUP = 128  # the activation group of block-FP8 checkpoints: one head's row when D = 128
 
 
 def check_block_sparse_inputs(
@@ -333,6 +334,7 @@ def block_sparse_attention_varlen_ref(
 # ---------------------------------------------------------------------------------------------
 
 if HAS_TRITON:
+    from .fp8_gemm import _dynamic_scales, _rounded, _to_e4m3
 
     @triton.jit
     def _attend_tile(
@@ -412,6 +414,7 @@ if HAS_TRITON:
         VDesc,
         Out,
         Lse,
+        OutScales,
         KvCount,
         KvIndices,
         CuSeqlens,
@@ -434,6 +437,8 @@ if HAS_TRITON:
         stride_lb,
         stride_lh,
         stride_ln,
+        stride_sh,
+        stride_sm,
         stride_cb,
         stride_ch,
         stride_cm,
@@ -459,6 +464,8 @@ if HAS_TRITON:
         MERGE_DIAG: tl.constexpr,
         TMA: tl.constexpr,
         ORDER: tl.constexpr,
+        QUANT: tl.constexpr,
+        ROUND: tl.constexpr,
     ):
         # Program order; late (heavy) tiles first in every order.
         # 0: grid (tiles, Hq, B): the tiles of one query head side by side.
@@ -573,7 +580,14 @@ if HAS_TRITON:
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
         o_ptrs = Out + bat * stride_ob + h64 * stride_oh + row0 * stride_on
         o_ptrs += offs_m[:, None] * stride_on + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        if QUANT:  # the o product's e4m3 input: a row of this head is one group of 128
+            y = _rounded(out, Q.dtype.element_ty, ROUND)  # the values the unquantised path writes
+            s = _dynamic_scales(y)
+            tl.store(o_ptrs, _to_e4m3(y, s, ROUND), mask=row_ok[:, None])
+            s_rows = (bat * seq_len + row0 + offs_m) * stride_sm
+            tl.store(OutScales + h64 * stride_sh + s_rows, s, mask=row_ok)
+        else:
+            tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
         if STORE_LSE:
             lse = (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453  # log2 -> ln
             lse = tl.where(seen, lse, float("-inf"))
@@ -712,6 +726,32 @@ def _check_out(out: Tensor, q: Tensor) -> None:
         raise ValueError(f"out must not overlap itself; got strides {out.stride()}")
 
 
+def _check_quantised_out(out: Tensor | None, out_scales: Tensor, q: Tensor) -> None:
+    """The FP8 output of `block_sparse_attention(out_scales=...)`: out e4m3 [B, Hq, N, 128]
+    (any non-overlapping strides), out_scales fp32 [Hq, B * N]."""
+    b, hq, n, d = q.shape
+    if out is None or out.dtype != torch.float8_e4m3fn or d != QUANT_GROUP:
+        raise ValueError(
+            f"a quantised output needs out float8_e4m3fn [B, Hq, N, D] and D = {QUANT_GROUP}; "
+            f"got {None if out is None else out.dtype} and D = {d}"
+        )
+    if out.shape != q.shape or out.device != q.device or _overlapping(out):
+        raise ValueError(
+            f"out must be [B, Hq, N, D] = {tuple(q.shape)} on {q.device}, not overlapping; got "
+            f"{tuple(out.shape)} on {out.device}, strides {out.stride()}"
+        )
+    want = (hq, b * n)
+    if (
+        tuple(out_scales.shape) != want
+        or out_scales.dtype != torch.float32
+        or out_scales.device != q.device
+    ):
+        raise ValueError(
+            f"out_scales must be float32 {list(want)} on {q.device}; got {out_scales.dtype} "
+            f"{list(out_scales.shape)} on {out_scales.device}"
+        )
+
+
 def _overlapping(t: Tensor) -> bool:
     """True when two indices of t share memory (a broadcast or expanded view)."""
     dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n > 1)
@@ -737,6 +777,7 @@ def _launch(
     config: dict | None = None,
     out: Tensor | None = None,
     space: tuple | None = None,
+    out_scales: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Check, allocate and launch.
 
@@ -770,7 +811,9 @@ def _launch(
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if not scale > 0:
         raise ValueError(f"scale must be positive; got {scale}")
-    if out is not None:
+    if out_scales is not None:
+        _check_quantised_out(out, out_scales, q)
+    elif out is not None:
         _check_out(out, q)
     if q.device.type != "cuda" and not _interpreted():
         raise ValueError(
@@ -806,9 +849,10 @@ def _launch(
     descs = (_descriptor(k, block_n), _descriptor(v, block_n)) if tma else (k, v)
 
     args = (
-        q, k, v, *descs, out, lse, kv_count, kv_indices,
-        kv_count if cu_seqlens is None else cu_seqlens,
+        q, k, v, *descs, out, lse, lse if out_scales is None else out_scales, kv_count,
+        kv_indices, kv_count if cu_seqlens is None else cu_seqlens,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+        *((0, 0) if out_scales is None else out_scales.stride()),
         *kv_count.stride(), *kv_indices.stride(),
         n, longest, hq, kv_indices.shape[-1], scale * 1.4426950408889634, _len_bucket(longest),
     )  # fmt: skip
@@ -820,6 +864,8 @@ def _launch(
         SCAN=8 if _interpreted() else 128,  # small lists in CPU tests still take two chunks
         VARLEN=cu_seqlens is not None,
         STORE_LSE=return_lse,
+        QUANT=out_scales is not None,
+        ROUND=_interpreted(),
     )
 
     def grid(meta):
@@ -849,6 +895,7 @@ def block_sparse_attention(
     return_lse: bool = False,
     cu_seqlens: Tensor | None = None,
     out: Tensor | None = None,
+    out_scales: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Block-sparse causal prefill attention, Triton forward kernel (CUDA; CPU when interpreted).
 
@@ -870,10 +917,18 @@ def block_sparse_attention(
     Needs block_q, block_k powers of two >= 16, head dim a power of two <= 128, and
     float16/bfloat16 (float32 runs with tf32 dots on the GPU). Returns out in q's dtype, and
     with `return_lse` also the natural-log logsumexp fp32 [B, Hq, N].
+
+    `out_scales` fp32 [Hq, B * N] (with an e4m3 `out`, head dim 128) writes the output quantised
+    for a block-FP8 output projection instead: each row of each head is one activation group,
+    its values rounded to q's dtype (what the output would hold) and quantised as
+    `fp8_gemm.fp8_act_quant` quantises them, its scale at [head, b * N + row] (the group-major
+    layout `fp8_gemm.fp8_linear_quantised` reads, the projection's input being [B * N, Hq * D]).
+    The same bytes as quantising the kernel's own output afterwards, without that pass.
     """
     return _launch(
-        q, k, v, kv_count, kv_indices, block_q, block_k, scale, return_lse, cu_seqlens, out=out
-    )
+        q, k, v, kv_count, kv_indices, block_q, block_k, scale, return_lse, cu_seqlens, out=out,
+        out_scales=out_scales,
+    )  # fmt: skip
 
 
 def main() -> None:

@@ -159,6 +159,22 @@ def fp8_linear_ref(
     return y.to(out_dtype or x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def fp8_linear_quantised_ref(
+    a: Tensor,
+    a_s: Tensor,
+    weight: Tensor,
+    weight_scale_inv: Tensor,
+    block_size=(128, 128),
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """`fp8_linear_quantised` in PyTorch: a [M, K] e4m3 times its group-major scales a_s [G, M],
+    then an fp32 product with the dequantised weight [N, K]."""
+    _, _, group = _blocks(weight, weight_scale_inv, block_size)
+    xd = a.float() * a_s.float().t().repeat_interleave(group, -1)[:, : a.shape[1]]
+    y = xd @ dequantize_weight_ref(weight, weight_scale_inv, block_size).T
+    return y.to(out_dtype)
+
+
 def fp8_grouped_linear_ref(
     x: Tensor,
     weight: Tensor,
@@ -287,6 +303,21 @@ def _to_e4m3(x, s, ROUND: tl.constexpr):
     if ROUND:
         y = _e4m3_rne(y)
     return y.to(tl.float8e4nv)
+
+
+@jit
+def _rounded(x, DTYPE: tl.constexpr, BITS: tl.constexpr):
+    """fp32 x rounded to DTYPE (nearest, ties to even), as fp32. On a GPU the casts round so
+    (one instruction each way); with BITS (the interpreter, which does not round fp32 -> bf16
+    casts to nearest, triton 3.9) bf16 is rounded by its bits, a dozen integer operations per
+    value that made the gate ALU-bound: 1.30 ms against 1.13 ms with the casts at 128K tokens
+    on an H200, the same bytes (results/scale/logs/h200_s20_callA_gated_quant_probe.txt)."""
+    if BITS and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DTYPE).to(tl.float32)
 
 
 @jit
@@ -803,14 +834,26 @@ def cublas_shape_ok(
 
 def cublas_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype) -> Tensor:
     """x [M, K] @ the block-FP8 weight [N, K] -> [M, N] in `out_dtype` (bf16) through
-    `torch._scaled_mm`: activations quantised
-    by `fp8_act_quant` (its group-major scales [K / 128, M] seen as [M, K / 128] with strides
-    (1, M), the layout cuBLAS reads), the weight's scales [N / 128, K / 128] seen transposed;
+    `torch._scaled_mm`: activations quantised by `fp8_act_quant`, then `cublas_quantised`;
     rows padded with zeros to a multiple of 4."""
     m = x.shape[0]
     pad = -m % 4
     xp = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
     a, a_s = fp8_act_quant(xp, CUBLAS_BLOCK[1])
+    out = cublas_quantised(a, a_s, weight, weight_scale_inv, out_dtype)
+    return out[:m] if pad else out
+
+
+def cublas_quantised(a: Tensor, a_s: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype):
+    """Quantised activations a (e4m3 [M, K]) with group-major scales a_s [K / 128, M] (as
+    `fp8_act_quant` writes them, seen as [M, K / 128] with strides (1, M): the layout cuBLAS
+    reads) @ the block-FP8 weight [N, K] (its scales [N / 128, K / 128] seen transposed) ->
+    [M, N] through `torch._scaled_mm`; M not a multiple of 4 is padded with zero rows."""
+    m = a.shape[0]
+    pad = -m % 4
+    if pad:
+        a = torch.nn.functional.pad(a.view(torch.uint8), (0, 0, 0, pad)).view(FP8_DTYPE)
+        a_s = torch.nn.functional.pad(a_s, (0, pad), value=1.0)
     scales = weight_scale_inv.float().contiguous()
     out = torch._scaled_mm(a, weight.t(), a_s.t(), scales.t(), out_dtype=out_dtype)
     return out[:m] if pad else out
@@ -930,6 +973,28 @@ def _(x, weight, weight_scale_inv, block_n, block_k, out_dtype, activation_scale
     return x.new_empty(x.shape[0], weight.shape[0], dtype=out_dtype)
 
 
+@torch.library.custom_op("rbs_bench::fp8_linear_quantised", mutates_args=())
+def _fp8_linear_quantised_op(
+    a: Tensor,
+    a_s: Tensor,
+    weight: Tensor,
+    weight_scale_inv: Tensor,
+    block_n: int,
+    block_k: int,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    blocks = _block_args(block_n, block_k)
+    if _use_cublas(a, weight, blocks, None, out_dtype):
+        with torch.cuda.device(a.device):
+            return cublas_quantised(a, a_s, weight, weight_scale_inv, out_dtype)
+    return _launch(a, weight, weight_scale_inv, blocks, out_dtype=out_dtype, quantized=(a, a_s))
+
+
+@_fp8_linear_quantised_op.register_fake
+def _(a, a_s, weight, weight_scale_inv, block_n, block_k, out_dtype):
+    return a.new_empty(a.shape[0], weight.shape[0], dtype=out_dtype)
+
+
 @torch.library.custom_op("rbs_bench::fp8_grouped_linear", mutates_args=())
 def _fp8_grouped_linear_op(
     x: Tensor,
@@ -980,6 +1045,31 @@ def fp8_linear(
         activation_scale,
     )
     return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear_quantised(
+    a: Tensor,
+    a_s: Tensor,
+    weight: Tensor,
+    weight_scale_inv: Tensor,
+    block_size=(128, 128),
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """`fp8_linear` on activations quantised already (by their producer: `fp8_norm.rmsnorm_quant`,
+    the attention kernel's epilogue): a e4m3 [M, K], a_s fp32 [ceil(K / bk), M] group-major, as
+    `fp8_act_quant` writes them -> [M, N] in `out_dtype`; the values of
+    `fp8_linear_quantised_ref`."""
+    _check_linear(a.new_empty(0, a.shape[-1], dtype=out_dtype), weight, weight_scale_inv)
+    _, _, group = _blocks(weight, weight_scale_inv, block_size)
+    want = (math.ceil(a.shape[-1] / group), a.shape[0])
+    if a.dtype != FP8_DTYPE or a.dim() != 2 or tuple(a_s.shape) != want:
+        raise ValueError(
+            f"quantised activations must be e4m3 [M, K] with fp32 scales {list(want)}; got "
+            f"{a.dtype} {list(a.shape)} and {list(a_s.shape)}"
+        )
+    return torch.ops.rbs_bench.fp8_linear_quantised(
+        a, a_s.float(), weight, weight_scale_inv, *_block_ints(block_size), out_dtype
+    )
 
 
 def fp8_grouped_linear(

@@ -54,6 +54,7 @@ from .fp8_gemm import (
     CUBLAS_BLOCK,
     FP8_DTYPE,
     _dynamic_scales,
+    _rounded,
     _to_e4m3,
     act_quant_ref,
     fp8_grouped_linear_ref,
@@ -386,21 +387,6 @@ def _quant_store(
     g = tl.program_id(1)
     where = _scale_offsets(rows, g, r_ok, First, Count, R, G, BLOCKED)
     tl.store(XS + where, s, mask=r_ok)
-
-
-@jit
-def _rounded(x, DTYPE: tl.constexpr, BITS: tl.constexpr):
-    """fp32 x rounded to DTYPE (nearest, ties to even), as fp32. On a GPU the casts round so
-    (one instruction each way); with BITS (the interpreter, which does not round fp32 -> bf16
-    casts to nearest, triton 3.9) bf16 is rounded by its bits, a dozen integer operations per
-    value that made the gate ALU-bound: 1.30 ms against 1.13 ms with the casts at 128K tokens
-    on an H200, the same bytes (results/scale/logs/h200_s20_callA_gated_quant_probe.txt)."""
-    if BITS and DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
-    else:
-        return x.to(DTYPE).to(tl.float32)
 
 
 @jit

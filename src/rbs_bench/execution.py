@@ -49,6 +49,7 @@ def execute(
     executor: str = "auto",
     scale: float | None = None,
     out: Tensor | None = None,
+    out_scales: Tensor | None = None,
 ) -> Tensor:
     """Sparse causal prefill attention over the selection's kept blocks; out [B, Hq, N, D].
 
@@ -59,7 +60,20 @@ def execute(
     `out` (any non-overlapping [B, Hq, N, D] view, e.g. a model's [B, N, Hq, D] buffer seen
     through `.transpose(1, 2)`) lets the Triton kernel write there directly; the other
     executors fill it with one copy. The returned tensor is then `out`.
+
+    `out_scales` fp32 [Hq, B * N] with an e4m3 `out` (head dim 128): the output quantised for a
+    block-FP8 output projection (`block_sparse_attention`'s `out_scales`), in the Triton kernel's
+    epilogue; the other executors quantise their output afterwards, to the same values.
     """
+    if out_scales is not None:
+        if out is None or out.dtype != torch.float8_e4m3fn:
+            raise ValueError("out_scales needs an e4m3 `out` [B, Hq, N, D] to write into")
+        if not (
+            isinstance(selection, BlockSelection)
+            and resolve_executor(executor, q.device) == "triton"
+        ):
+            result = execute(q, k, v, selection, executor, scale)
+            return _quantised_into(result, out, out_scales)
     if not isinstance(selection, BlockSelection):  # brings its own executors
         own = "reference" if resolve_executor(executor, q.device) == "reference" else "auto"
         return _into(selection.attend(q, k, v, scale=scale, executor=own), out)
@@ -71,8 +85,25 @@ def execute(
     kernel = _KERNELS[name]
     lists = (selection.kv_count, selection.kv_indices, selection.block_q, selection.block_k)
     if name == "triton":
-        return kernel(q, k, v, *lists, scale=scale, out=out)
+        return kernel(q, k, v, *lists, scale=scale, out=out, out_scales=out_scales)
     return _into(kernel(q, k, v, *lists, scale=scale), out)
+
+
+def _quantised_into(result: Tensor, out: Tensor, out_scales: Tensor) -> Tensor:
+    """`result` [B, Hq, N, D] seen as the rows [B * N, Hq * D] of an output projection, quantised
+    per row and head (`fp8_gemm.act_quant_ref`'s values) into `out` and `out_scales` [Hq, B * N]."""
+    from rbs_bench.kernels.fp8_gemm import act_quant_ref, fp8_act_quant
+
+    b, h, n, d = result.shape
+    rows = result.transpose(1, 2).reshape(b * n, h * d)
+    if rows.is_cuda and HAS_TRITON:
+        xq, xs = fp8_act_quant(rows, d)
+    else:
+        xq, xs = act_quant_ref(rows, d)
+        xs = xs.t()
+    out.copy_(xq.view(b, n, h, d).transpose(1, 2))
+    out_scales.copy_(xs)
+    return out
 
 
 def _into(result: Tensor, out: Tensor | None) -> Tensor:

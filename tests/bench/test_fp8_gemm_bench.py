@@ -236,3 +236,35 @@ def test_the_block_is_timed_from_each_count_of_launch_threads(small, tmp_path):
     text = _launch_sentence(df)
     assert text.startswith("The experts block with its per-expert cuBLAS calls launched from 1 ")
     assert text.endswith(f"against {default:.2f} ms from the default {default}. ")
+
+
+def test_the_producers_are_timed_and_summed(small, tmp_path):
+    """The qkv and o rows also time their products on rows quantised already and what
+    quantising costs their producers (the input norm, the sparse attention, both writing e4m3
+    against bf16); the layer's sum with producers takes each product alone plus that difference,
+    and the docs' sentence gives the parts."""
+    from rbs_bench.tables.blocks_kernels import _producers_sentence, fp8_producer_sums
+
+    linear = {"q": (256, 128), "k": (128, 128), "qkv": (512, 128), "o": (128, 256)}
+    small.setattr(bench, "LINEAR", linear)
+    small.setattr(bench, "EXPERTS", {"gate_up": (256, 128), "down": (128, 128)})
+    small.setattr(bench, "experts_stages", lambda args: {})
+    small.setattr(bench, "ATTENTION", bench.ATTENTION | {"q_heads": 4, "kv_heads": 2})
+    assert bench.main(["--out", str(tmp_path), "--tokens", "300", "--no-checks"]) == 0
+    df = pd.read_csv(tmp_path / "fp8_gemm_cpu_test.csv")
+    by = df.set_index("layer")
+    cols = ["ms_fp8_quantised", "ms_norm_fp8", "ms_norm_bf16"]
+    assert (by.loc["qkv", cols] == 1.0).all() and pd.isna(by.loc["q", "ms_fp8_quantised"])
+    assert (by.loc["o", ["ms_fp8_quantised", "ms_attention_fp8", "ms_attention_bf16"]] == 1.0).all()
+    df.loc[df["layer"] == "experts", "ms_bf16_compiled"] = 4.0
+    df.loc[df["layer"] == "qkv", ["ms_norm_fp8", "ms_norm_bf16", "ms_fp8_quantised"]] = [
+        0.25, 0.5, 2.0,
+    ]  # fmt: skip
+    df.loc[df["layer"] == "o", ["ms_attention_fp8", "ms_attention_bf16"]] = [3.0, 3.25]
+    # FP8: qkv 2 + 0.25 - 0.5, o 1 + 3 - 3.25, the block 1; bf16: 1 + 1 + 4
+    assert fp8_producer_sums(df) == [(300, 3.5, 6.0)]
+    text = _producers_sentence(df)
+    assert "300 tokens: FP8 3.50 ms, bf16 6.00 ms (0.583x)" in text
+    assert "e4m3 rows 0.250 ms against 0.500 ms writing bf16" in text
+    assert "quantised 3.00 ms against 3.25 ms in bf16" in text
+    assert _producers_sentence(df.drop(columns=["ms_attention_fp8"])) == ""

@@ -50,6 +50,7 @@ class Case:
     seed: int = 0
     config: tuple = ()  # launch configuration items (a tuning choice) instead of the default
     out_bnhd: bool = False  # the kernel writes into [B, N, H, D] memory through `out`
+    quant: bool = False  # also run with an e4m3 [B, N, H, D] output and its scales (D = 128)
 
 
 F32, F16 = torch.float32, torch.float16
@@ -116,6 +117,21 @@ CASES = {
     "out-N129-H4/2-D64-fp16-strided": Case(
         4, 2, (129,), 64, F16, strided=True, seed=11, out_bnhd=True
     ),
+    # the output quantised for a block-FP8 o projection (`out_scales`)
+    "quant-B2-N129-H4/2-D128-fp16": Case(4, 2, (129, 129), 128, F16, seed=13, quant=True),
+    "quant-varlen-100,1,257-H2/1-D128": Case(
+        2, 1, (100, 1, 257), 128, varlen=True, seed=14, quant=True
+    ),
+    "quant-tma-merged-N300-H2/2-D128-fp16-empty-rows": Case(
+        2,
+        2,
+        (100,),
+        128,
+        F16,
+        density="empty-rows",
+        config=(*TMA32, ("MERGE_DIAG", True)),
+        quant=True,
+    ),
 }
 
 
@@ -175,7 +191,18 @@ def run_kernel(case: Case):
         )
     if out is not None:
         assert res[0].data_ptr() == out.data_ptr() and res[0].stride() == out.stride()
-    return res
+    if not case.quant:
+        return res
+    b, h, n, d = q.shape
+    q8 = torch.full((b, n, h, d), float("nan")).to(torch.float8_e4m3fn).transpose(1, 2)
+    scales = torch.full((h, b * n), float("nan"))
+    if case.config:
+        bsa._launch(q, k, v, *lists, case.scale, False, cu, config, out=q8, out_scales=scales)
+    else:
+        block_sparse_attention(
+            q, k, v, *lists, scale=case.scale, cu_seqlens=cu, out=q8, out_scales=scales
+        )
+    return (*res, q8, scales)
 
 
 def dense_truth(case: Case, dtype: torch.dtype):
@@ -251,7 +278,7 @@ def test_kernel_matches_dense_interpreted(interpreted, cid):
     case = CASES[cid]
     result = interpreted[cid]
     assert not isinstance(result, str), result
-    out, lse = result
+    out, lse, *_ = result
     q = make_case(case)[0]
     assert out.shape == q.shape and out.dtype == case.dtype
     assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
@@ -268,6 +295,40 @@ def test_kernel_matches_dense_interpreted(interpreted, cid):
     assert torch.equal(out[~seen].abs().sum(), torch.zeros((), dtype=out.dtype))
     atol = 1e-4 if case.dtype == torch.float32 else 2e-3
     torch.testing.assert_close(lse[seen].double(), truth_lse[seen], atol=atol, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cid", [c for c in CASES if CASES[c].quant])
+def test_quantised_output_is_the_output_quantised(interpreted, cid):
+    """With `out_scales` the kernel writes the bytes and scales `fp8_act_quant` would write for
+    its own output seen as the o projection's input [B * N, Hq * D]: one group per head."""
+    from rbs_bench.kernels.fp8_gemm import act_quant_ref
+
+    out, _, q8, scales = interpreted[cid]
+    b, h, n, d = out.shape
+    rows = out.transpose(1, 2).reshape(b * n, h * d)  # the o projection's input
+    want_q, want_s = act_quant_ref(rows, d)
+    assert torch.equal(q8.transpose(1, 2).reshape(b * n, h * d).view(torch.uint8),
+                       want_q.view(torch.uint8))  # fmt: skip
+    assert torch.equal(scales, want_s.t())
+
+
+def test_quantised_output_rejects_what_it_cannot_write():
+    """One line each: another head dim than 128, an output that is not e4m3, scales of another
+    shape."""
+    case = Case(2, 1, (64,), 64)
+    q, k, v, _, count, indices, _ = make_case(case)
+    lists = (count, indices, 64, 64)
+    fp8 = torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="D = 128"):
+        block_sparse_attention(q, k, v, *lists, out=torch.empty(q.shape, dtype=fp8),
+                               out_scales=torch.empty(2, 64))  # fmt: skip
+    q, k, v = (torch.randn(1, h, 64, 128) for h in (2, 1, 1))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        block_sparse_attention(q, k, v, *lists, out=torch.empty_like(q),
+                               out_scales=torch.empty(2, 64))  # fmt: skip
+    with pytest.raises(ValueError, match="out_scales must be float32 \\[2, 64\\]"):
+        block_sparse_attention(q, k, v, *lists, out=torch.empty(q.shape, dtype=fp8),
+                               out_scales=torch.empty(64, 2))  # fmt: skip
 
 
 def test_varlen_ref_matches_dense():
@@ -386,6 +447,34 @@ def test_kernel_matches_dense_bf16_gpu(n, d, bq, bk, p):
         seen = torch.isfinite(expected)
         assert torch.equal(seen, torch.isfinite(lse))
         torch.testing.assert_close(lse[seen], expected[seen], atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="e4m3 needs capability 8.9 or newer",
+)
+def test_quantised_output_bf16_gpu():
+    """bf16 at 16K tokens, each tuned configuration's choice, written into a model's [B, N, H, D]
+    memory: the quantised output is `fp8_act_quant` of the kernel's bf16 output, bit for bit."""
+    from rbs_bench.kernels.fp8_gemm import fp8_act_quant
+
+    n, hq, hkv, d, block = 16384, 8, 2, 128, 128
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (
+        torch.randn(1, h, n, d, generator=gen).to("cuda", torch.bfloat16) for h in (hq, hkv, hkv)
+    )
+    _, count, indices = random_selection(1, hq, n, block, block, 0.2, 7, "cuda")
+    lists = (count, indices, block, block)
+    out = block_sparse_attention(q, k, v, *lists)
+    q8 = torch.empty(1, n, hq, d, device="cuda", dtype=torch.float8_e4m3fn).transpose(1, 2)
+    scales = torch.empty(hq, n, device="cuda")
+    block_sparse_attention(q, k, v, *lists, out=q8, out_scales=scales)
+    want_q, want_s = fp8_act_quant(out.transpose(1, 2).reshape(n, hq * d), d)
+    assert torch.equal(scales, want_s)
+    assert torch.equal(q8.transpose(1, 2).reshape(n, hq * d).view(torch.uint8),
+                       want_q.view(torch.uint8))  # fmt: skip
 
 
 def _as_config(entry) -> dict:

@@ -341,6 +341,96 @@ def test_fast_path_runs_fp8_qkv_as_one_product(fresh, monkeypatch):
     assert calls == [256, 128, 128] * 2
 
 
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "reference",
+        pytest.param(
+            "triton",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs fp8 tensor cores"),
+            ],
+        ),
+    ],
+)
+def test_fast_path_fp8_inputs_quantised_by_their_producers(fresh, monkeypatch, backend):
+    """FP8 q/k/v and o whose inputs their producers quantise: the input RMSNorm moves into the
+    attention region and writes q/k/v's e4m3 rows, and the sparse attention writes o's (the
+    reference executor quantises its output here; on a GPU the Triton kernel's epilogue does,
+    tests/kernels/test_block_sparse_attn_triton.py). Each producer runs once per layer, and the
+    logits are those of the path where every FP8 layer quantises its own input
+    (RBS_BENCH_FP8_PRODUCERS=0). On a GPU ("triton", bf16) the kernels run: the norm's Triton
+    pass, the sparse kernel's quantising epilogue and cuBLAS's products."""
+    import collections
+
+    from rbs_bench.kernels import fp8_norm
+
+    from rbs_bench import methods
+    from rbs_bench.models import fastpath, hf_attention, rehearsal
+
+    hf_attention.register()
+    config = rehearsal.architecture_config(
+        "qwen3_30b_a3b", num_hidden_layers=2, hidden_size=256, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=128, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, vocab_size=256,
+    )  # fmt: skip
+    device, dtype = ("cpu", torch.float32) if backend == "reference" else ("cuda", torch.bfloat16)
+    model = rehearsal.build(config, device, dtype, 0, hf_attention.ATTN_IMPL)
+    for layer in model.model.layers:
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            old = getattr(layer.self_attn, name)
+            new = fg.FP8Linear(old.in_features, old.out_features, block_size=(128, 128))
+            q, s = quantize(old.weight.data)
+            new.weight.data, new.weight_scale_inv.data = q.to(device), s.to(device)
+            setattr(layer.self_attn, name, new)
+    fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**fp8.entry_points(backend))
+    selector = methods.build(
+        "quest", block_size=32, sink_blocks=1, window_blocks=1, last_q_blocks=1
+    ).with_knob(0.2)
+    rec = hf_attention.install(model, selector)
+    monkeypatch.setattr(fastpath, "_region", lambda fn: fn)
+    calls = collections.Counter()
+
+    def counting(name, fn):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    end = "_ref" if backend == "reference" else ""
+    names = (f"rmsnorm_quant{end}", f"fp8_linear_quantised{end}")
+    for module, name in zip((fp8_norm, fp8_gemm), names, strict=True):
+        monkeypatch.setattr(module, name, counting(name, getattr(module, name)))
+    ids = torch.randint(0, 256, (1, 256), generator=torch.Generator().manual_seed(4)).to(device)
+
+    def logits():
+        with torch.inference_mode():
+            return model(input_ids=ids).logits
+
+    eager = logits()
+    monkeypatch.setenv("RBS_BENCH_FP8_PRODUCERS", "0")
+    fastpath.install(model)
+    apart = logits()
+    assert not calls
+    monkeypatch.delenv("RBS_BENCH_FP8_PRODUCERS")
+    fastpath.install(model)
+    rec.reset()
+    got = logits()
+    # per layer: the norm once; the products of q/k/v (one) and o
+    assert calls == {names[0]: 2, names[1]: 4}, calls
+    assert rec.summary()["density_layers_heads"][0][0] < 1.0  # the sparse path ran
+    # the same quantised values: fp32 reassociation on the CPU; on the GPU a norm's e4m3 byte
+    # may round the other way (kernels/fp8_norm.py), within bf16 logits' rounding
+    tol = 1e-5 if backend == "reference" else 2e-2
+    torch.testing.assert_close(got, apart, rtol=tol, atol=tol)
+    fastpath.install(model, compile=False)  # the norms' own forwards and o_proj back
+    calls.clear()
+    torch.testing.assert_close(logits(), eager, rtol=1e-5, atol=1e-5)
+    assert not calls
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
 def test_compiled_layers_fuse_the_fp8_experts(fresh):

@@ -213,7 +213,66 @@ def time_linear(name, tokens, rep_ms) -> dict:
     ceiling = scaled_mm_ceiling(quantized[0], wq)
     if ceiling is not None:
         ms["fp8_cublas_tensorwise"] = do_bench(ceiling, rep_ms)
+    ms |= producer_times(name, x, quantized, wq, s, rep_ms)
     return _time_row(ms, 2.0 * tokens * n * k, "bf16_cublas") | configs
+
+
+# The attention feeding o in `producer_times`: the FP8 checkpoints' heads (32 query, 4 key/value,
+# dim 128), blocks of 128, and a causal selection keeping this fraction of each row's blocks
+ATTENTION = {"q_heads": 32, "kv_heads": 4, "head_dim": 128, "block": 128, "density": 0.05}
+
+
+def producer_times(name, x, quantized, wq, s, rep_ms) -> dict:
+    """Where the FP8 layers' producers quantise their inputs (`models.fastpath`): for qkv, the
+    input RMSNorm writing e4m3 rows (`fp8_norm.rmsnorm_quant`, `ms_norm_fp8`) against the
+    compiled bf16 norm the other layers run (`ms_norm_bf16`); for o, the sparse attention
+    writing its output quantised (`ms_attention_fp8`, `block_sparse_attention` with
+    `out_scales`) against writing it in bf16 (`ms_attention_bf16`), at `ATTENTION`'s shape and
+    density; and for both the product of the quantised rows alone (`ms_fp8_quantised`,
+    `fp8_linear_quantised`). {} for the other layers."""
+    if name not in ("qkv", "o"):
+        return {}
+    a, a_s = quantized
+    ms = {"fp8_quantised": do_bench(lambda: fk.fp8_linear_quantised(a, a_s, wq, s), rep_ms)}
+    if name == "qkv":
+        from rbs_bench.kernels import fp8_norm
+
+        w = 1 + 0.1 * torch.randn(x.shape[1], device=x.device, dtype=x.dtype)
+        norm = torch.compile(fp8_norm.rmsnorm_ref, dynamic=False)
+        ms["norm_bf16"] = do_bench(lambda: norm(x, w, 1e-6), rep_ms)
+        ms["norm_fp8"] = do_bench(lambda: fp8_norm.rmsnorm_quant(x, w, 1e-6), rep_ms)
+        return ms
+    bf16, fp8 = attention_outputs(x.shape[0], rep_ms)
+    return ms | {"attention_bf16": bf16, "attention_fp8": fp8}
+
+
+def attention_outputs(tokens: int, rep_ms: int) -> tuple[float, float]:
+    """ms of `block_sparse_attention` over `tokens` tokens (`ATTENTION`) writing its output into
+    a model's [1, N, H, D] bf16 buffer, and writing it quantised (e4m3 and scales) instead."""
+    from rbs_bench.kernels.block_sparse_attn import block_lists_from_mask, block_sparse_attention
+
+    hq, hkv, d, block = (ATTENTION[k] for k in ("q_heads", "kv_heads", "head_dim", "block"))
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    q, k, v = (
+        torch.randn(1, h, tokens, d, generator=gen, device=DEVICE, dtype=torch.bfloat16)
+        for h in (hq, hkv, hkv)
+    )
+    m = math.ceil(tokens / block)
+    i = torch.arange(m, device=DEVICE)
+    causal = i[None, :] <= i[:, None]
+    forced = (i[None, :] == 0) | (i[:, None] - i[None, :] <= 1)  # the sink, the diagonal band
+    keep = torch.rand(1, hq, m, m, generator=gen, device=DEVICE) < ATTENTION["density"]
+    count, indices = block_lists_from_mask((keep | forced) & causal)
+    del keep
+    out = torch.empty(1, tokens, hq, d, device=DEVICE, dtype=torch.bfloat16).transpose(1, 2)
+    out8 = torch.empty(1, tokens, hq, d, device=DEVICE, dtype=fk.FP8_DTYPE).transpose(1, 2)
+    scales = torch.empty(hq, tokens, device=DEVICE, dtype=torch.float32)
+    lists = (count, indices, block, block)
+    bf16 = do_bench(lambda: block_sparse_attention(q, k, v, *lists, out=out), rep_ms)
+    fp8 = do_bench(
+        lambda: block_sparse_attention(q, k, v, *lists, out=out8, out_scales=scales), rep_ms
+    )
+    return bf16, fp8
 
 
 def scaled_mm_ceiling(xq, wq):
@@ -534,12 +593,18 @@ def layer_sums(times: list[dict]) -> list[str]:
     (`tables.blocks_kernels.fp8_layer_sums`, the sums the docs print)."""
     import pandas as pd
 
-    from rbs_bench.tables.blocks_kernels import fp8_layer_sums
+    from rbs_bench.tables.blocks_kernels import fp8_layer_sums, fp8_producer_sums
 
-    return [
+    df = pd.DataFrame(times)
+    lines = [
         f"a layer's products at {tokens} tokens (q, k, v, o, the experts block): "
-        f"FP8 {fp8:.2f} ms, bf16 {bf16:.2f} ms, {fp8 / bf16:.2f}x"
-        for tokens, fp8, bf16 in fp8_layer_sums(pd.DataFrame(times))
+        f"FP8 {fp8:.2f} ms, bf16 {bf16:.2f} ms, {fp8 / bf16:.3f}x"
+        for tokens, fp8, bf16 in fp8_layer_sums(df)
+    ]
+    return lines + [
+        f"with q/k/v's and o's inputs quantised by their producers (the input norm, the sparse "
+        f"attention) at {tokens} tokens: FP8 {fp8:.2f} ms, bf16 {bf16:.2f} ms, {fp8 / bf16:.3f}x"
+        for tokens, fp8, bf16 in fp8_producer_sums(df)
     ]
 
 

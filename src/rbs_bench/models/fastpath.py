@@ -17,6 +17,14 @@ runs exactly as before:
   key/value cache update and the attention function (`rbs_sparse`, SDPA, ...) run eagerly after it,
   then the output projection. Block-FP8 q, k and v projections run first, eagerly, as one product
   (`fp8.fuse_linears`: one quantisation of the input, one GEMM), and the region takes its output;
+- block-FP8 inputs quantised by their producers, as serving engines fuse them: the input RMSNorm
+  moves into the attention module (the layer's own call passes the hidden states through) and
+  writes q/k/v's e4m3 rows itself (`kernels.fp8_norm`), and where the sparse kernel runs the
+  attention (`rbs_sparse`, head dim 128) its epilogue writes the output projection's e4m3 input
+  and scales (`block_sparse_attention`'s `out_scales`); dense SDPA's output is quantised by the
+  projection as before. Each saves a pass over the rows (`bench.fp8_gemm` times both; the same
+  values, tests/models/test_fp8.py). RBS_BENCH_FP8_PRODUCERS=0 keeps each layer quantising its
+  own input;
 - the feed-forward block (MoE router and grouped experts, or a dense SwiGLU MLP; a top-k
   router's softmax, top-k and normalisation as one kernel, `kernels.router_topk`), which
   `rbs_bench.models.feedforward` still runs over bounded token chunks.
@@ -60,6 +68,16 @@ ATTENTION_CLASSES = (
 _EAGER = "_rbs_eager_forwards"  # on the model: {module: its own forward attribute or None}
 _REGIONS: dict = {}  # function -> its compiled version, shared by every layer
 _QKV = "_rbs_qkv"  # on an attention module: its FP8 q, k and v as one product (fp8.fuse_linears)
+_NORM = "_rbs_norm"  # on an attention module: the input RMSNorm it applies itself (`_norm_fusable`)
+_O = "_rbs_o"  # on an attention module: its FP8 output projection (fp8.quantised_linear)
+# Decoder layers whose input RMSNorm output goes to the attention module only (residual before it)
+NORM_IN_ATTENTION = (
+    "Qwen3DecoderLayer",
+    "Qwen3MoeDecoderLayer",
+    "Qwen3VLTextDecoderLayer",
+    "Qwen3VLMoeTextDecoderLayer",
+    "LlamaDecoderLayer",
+)
 
 
 def enabled(setting: bool | None, device: torch.device) -> bool:
@@ -85,8 +103,24 @@ def install(model: torch.nn.Module, compile: bool = True) -> int:
     saved: dict = {}
     for layer in layers:
         _drop_inner_device_hooks(layer)
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            _set_forward(norm, _bind(_norm_forward, norm), saved)
+        attn = layer.self_attn
+        norm_in_attention = False
+        if type(attn).__name__ in ATTENTION_CLASSES:
+            _set_forward(attn, types.MethodType(_attention_forward, attn), saved)
+            qkv = fp8.fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+            if qkv is not None:
+                attn.__dict__[_QKV] = qkv
+                norm_in_attention = _norm_fusable(layer, qkv)
+            o_proj = fp8.quantised_linear(attn.o_proj)
+            if o_proj is not None:
+                attn.__dict__[_O] = o_proj
+        if norm_in_attention:  # the attention region normalises, writing q/k/v's FP8 input
+            attn.__dict__[_NORM] = layer.input_layernorm
+            _set_forward(layer.input_layernorm, _passthrough, saved)
+        else:
+            _set_forward(layer.input_layernorm, _bind(_norm_forward, layer.input_layernorm), saved)
+        norm = layer.post_attention_layernorm
+        _set_forward(norm, _bind(_norm_forward, norm), saved)
         _set_forward(layer.mlp, _bind(_feedforward, layer.mlp), saved)
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and _router_fusable(gate):
@@ -95,12 +129,6 @@ def install(model: torch.nn.Module, compile: bool = True) -> int:
         if experts is not None and _grouped_experts(experts):
             experts._rbs_fp8_fused = _fp8_fusable(experts)
             _set_forward(experts, types.MethodType(_experts_forward, experts), saved)
-        attn = layer.self_attn
-        if type(attn).__name__ in ATTENTION_CLASSES:
-            _set_forward(attn, types.MethodType(_attention_forward, attn), saved)
-            qkv = fp8.fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-            if qkv is not None:
-                attn.__dict__[_QKV] = qkv
     model.__dict__[_EAGER] = saved
     return len(layers)
 
@@ -135,7 +163,8 @@ def is_installed(model: torch.nn.Module) -> bool:
 
 def _restore(model: torch.nn.Module) -> None:
     for module in model.modules():
-        module.__dict__.pop(_QKV, None)  # the layers' weights stay views of the fused ones
+        for key in (_QKV, _NORM, _O):  # the layers' weights stay views of the fused ones
+            module.__dict__.pop(key, None)
     for module, own in model.__dict__.pop(_EAGER, {}).items():
         attr = "_old_forward" if hasattr(module, "_hf_hook") else "forward"
         if own is None:
@@ -184,6 +213,40 @@ def _norm_forward(norm: torch.nn.Module, x: Tensor) -> Tensor:
     return type(norm).forward(norm, x)
 
 
+def _passthrough(x: Tensor, *args, **kwargs) -> Tensor:
+    """The input RMSNorm's forward where the attention module applies it (`_NORM`)."""
+    return x
+
+
+def _norm_fusable(layer: torch.nn.Module, qkv: fp8.FusedLinears) -> bool:
+    """Whether the layer's input RMSNorm can move into its attention module, as one pass that
+    normalises and quantises q/k/v's input (`FusedLinears.normalised`): a decoder layer of
+    `NORM_IN_ATTENTION`, the fused q/k/v on this harness's kernels, and a norm whose forward is
+    `kernels.fp8_norm.rmsnorm_ref` (checked on a small input: an offset weight like Gemma's is
+    not). RBS_BENCH_FP8_PRODUCERS=0 keeps the norm apart."""
+    import os
+
+    from rbs_bench.kernels import fp8_norm
+
+    norm = layer.input_layernorm
+    eps = getattr(norm, "variance_epsilon", None)
+    weight = getattr(norm, "weight", None)
+    if (
+        os.environ.get("RBS_BENCH_FP8_PRODUCERS", "1") == "0"
+        or type(layer).__name__ not in NORM_IN_ATTENTION
+        or qkv.backend is None
+        or eps is None
+        or not isinstance(weight, Tensor)
+        or weight.device.type == "meta"
+        or not fp8_norm.fusable(weight.new_empty(1, weight.shape[-1]), weight)
+    ):
+        return False
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(4, weight.shape[-1], generator=gen, device=weight.device).to(weight.dtype)
+    with torch.no_grad():
+        return torch.equal(type(norm).forward(norm, x), fp8_norm.rmsnorm_ref(x, weight, eps))
+
+
 def _feedforward(block: torch.nn.Module, x: Tensor) -> Tensor:
     return type(block).forward(block, x)
 
@@ -227,14 +290,20 @@ def _attention_forward(
     `past_key_values` (transformers up to 5.2x) or `cache` (later releases)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    from rbs_bench.models.hf_attention import rbs_attention_forward
+
     cache = args[0] if args else kwargs.pop("cache", kwargs.pop("past_key_values", None))
     cos, sin = position_embeddings
     _tokens_dynamic(hidden_states, cos, sin)
     fused = self.__dict__.get(_QKV)
+    norm = self.__dict__.get(_NORM)
     if fused is None:
         q, k, v = _region(_project)(self, hidden_states, cos, sin)
     else:  # the product runs eagerly (an opaque op either way), the rest compiled
-        qkv = fused(hidden_states)
+        if norm is None:
+            qkv = fused(hidden_states)
+        else:  # the input norm passed the hidden states through: it runs here, quantising
+            qkv = fused.normalised(hidden_states, norm.weight, norm.variance_epsilon)
         _tokens_dynamic(qkv)
         q, k, v = _region(_project_fused)(self, qkv, fused.sizes, cos, sin)
     if cache is not None:
@@ -243,6 +312,9 @@ def _attention_forward(
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager)
     window = getattr(self, "sliding_window", None)
     extra = {} if window is None else {"sliding_window": window}
+    o_proj = self.__dict__.get(_O)
+    if o_proj is not None and attend is rbs_attention_forward:  # may write o's FP8 input
+        extra["quantise_out"] = True
     out, weights = attend(
         self,
         q,
@@ -254,6 +326,9 @@ def _attention_forward(
         **extra,
         **kwargs,
     )
+    if isinstance(out, fp8.QuantisedRows):  # the attention kernel quantised o's input
+        y = o_proj.quantised(out, hidden_states.dtype)
+        return y.reshape(*hidden_states.shape[:-1], -1), weights
     out = out.reshape(*hidden_states.shape[:-1], -1).contiguous()
     return self.o_proj(out), weights
 

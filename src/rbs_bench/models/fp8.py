@@ -27,7 +27,16 @@ import dataclasses
 import os
 import sys
 
-__all__ = ["FusedLinears", "entry_points", "fuse_linears", "install", "is_fp8", "prepare"]
+__all__ = [
+    "FusedLinears",
+    "QuantisedRows",
+    "entry_points",
+    "fuse_linears",
+    "install",
+    "is_fp8",
+    "prepare",
+    "quantised_linear",
+]
 
 ENTRY_POINTS = ("matmul", "batched_matmul", "grouped_matmul")
 _REQUIRED = ("_FINEGRAINED_FP8", "FineGrainedFP8", "load_finegrained_fp8_kernel")
@@ -97,6 +106,7 @@ def entry_points(backend: str = "triton") -> dict:
         scales = _weights(weight_scale_inv, weight)
         return grouped(input, weight, scales, offsets, _blocks(block_size))
 
+    matmul.rbs_backend = backend  # what `FusedLinears` runs its quantised products on
     return {"matmul": matmul, "batched_matmul": batched_matmul, "grouped_matmul": grouped_matmul}
 
 
@@ -172,21 +182,51 @@ def install(device=None, force: bool = False, backend: str = "triton") -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class QuantisedRows:
+    """Activations quantised by their producer for a block-FP8 product: `values` e4m3 [M, K],
+    `scales` fp32 [K / 128, M] group-major (`kernels.fp8_gemm.fp8_act_quant`'s layout)."""
+
+    values: object
+    scales: object
+
+
+@dataclasses.dataclass(frozen=True)
 class FusedLinears:
     """FP8 layers of one input as one product: `weight` [sum N_i, K] e4m3 holds the layers'
     weights as row blocks (each layer's own weight and scales are now views of it and of `scale`),
     `sizes` their N_i. Called on x [..., K], it returns [..., sum N_i] through the installed
-    entry point's `matmul`, the function each layer would call on its own rows of the weight."""
+    entry point's `matmul`, the function each layer would call on its own rows of the weight.
+    `backend` ("triton" or "reference", the installed entry points'; None for other entry points
+    of this module, as tests install) computes `quantised` and `normalised`, the products whose
+    input its producer quantised."""
 
     weight: object
     scale: object
     block_size: tuple[int, int]
     sizes: tuple[int, ...]
+    backend: str | None = "triton"
 
     def __call__(self, x):
         from transformers.integrations import finegrained_fp8 as fg
 
         return fg._FINEGRAINED_FP8.matmul(x, self.weight, self.scale, self.block_size)
+
+    def quantised(self, rows: QuantisedRows, dtype):
+        """The product of rows quantised already -> [M, sum N_i] in `dtype`."""
+        from rbs_bench.kernels import fp8_gemm as k
+
+        fn = k.fp8_linear_quantised_ref if self.backend == "reference" else k.fp8_linear_quantised
+        return fn(rows.values, rows.scales, self.weight, self.scale, self.block_size, dtype)
+
+    def normalised(self, x, norm_weight, eps: float):
+        """The product of RMSNorm(x) (`kernels.fp8_norm.rmsnorm_ref`), the norm writing its rows
+        quantised (`rmsnorm_quant`): x [..., K] -> [..., sum N_i] in x's dtype."""
+        from rbs_bench.kernels import fp8_norm
+
+        x2 = x.reshape(-1, x.shape[-1])
+        fn = fp8_norm.rmsnorm_quant_ref if self.backend == "reference" else fp8_norm.rmsnorm_quant
+        y = self.quantised(QuantisedRows(*fn(x2, norm_weight, eps)), x.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _fusable(layers) -> bool:
@@ -194,7 +234,7 @@ def _fusable(layers) -> bool:
 
     first = layers[0]
     block = getattr(first, "block_size", None)
-    if block is None or len(layers) < 2:
+    if block is None:
         return False
     block = _blocks(block)
     return all(
@@ -228,14 +268,14 @@ def fuse_linears(layers) -> FusedLinears | None:
         from transformers.integrations import finegrained_fp8 as fg
     except ImportError:
         return None
-    current = getattr(fg, "_FINEGRAINED_FP8", None)
-    if (
-        os.environ.get("RBS_BENCH_FP8_QKV", "1") == "0"
-        or current is None
-        or getattr(current.matmul, "__module__", "") != __name__
-        or not _fusable(layers)
-    ):
+    if os.environ.get("RBS_BENCH_FP8_QKV", "1") == "0" or len(layers) < 2:
         return None
+    current = getattr(fg, "_FINEGRAINED_FP8", None)
+    if current is None or getattr(current.matmul, "__module__", "") != __name__:
+        return None  # the hub kernel keeps its own dispatch
+    if not _fusable(layers):
+        return None
+    backend = getattr(current.matmul, "rbs_backend", None)
     block = _blocks(layers[0].block_size)
     with torch.no_grad():
         weight = torch.cat([m.weight for m in layers])
@@ -246,7 +286,28 @@ def fuse_linears(layers) -> FusedLinears | None:
             m.weight.data = weight[row : row + n]
             m.weight_scale_inv.data = scale[row // block[0] : (row + n) // block[0]]
             row += n
-    return FusedLinears(weight, scale, block, tuple(m.weight.shape[0] for m in layers))
+    sizes = tuple(m.weight.shape[0] for m in layers)
+    return FusedLinears(weight, scale, block, sizes, backend)
+
+
+def quantised_linear(layer) -> FusedLinears | None:
+    """One FP8Linear layer as a `FusedLinears` of itself (its own weight and scales, nothing
+    copied), for a producer that quantises its input (the attention kernel's epilogue for the
+    output projection); None where `fuse_linears` would refuse it. RBS_BENCH_FP8_PRODUCERS=0
+    keeps every FP8 layer quantising its own input."""
+    try:
+        from transformers.integrations import finegrained_fp8 as fg
+    except ImportError:
+        return None
+    if os.environ.get("RBS_BENCH_FP8_PRODUCERS", "1") == "0":
+        return None
+    current = getattr(fg, "_FINEGRAINED_FP8", None)
+    backend = getattr(getattr(current, "matmul", None), "rbs_backend", None)
+    if backend is None or not _fusable([layer]):
+        return None
+    block = _blocks(layer.block_size)
+    n = layer.weight.shape[0]
+    return FusedLinears(layer.weight, layer.weight_scale_inv, block, (n,), backend)
 
 
 def _known(fg) -> bool:

@@ -25,7 +25,9 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from rbs_bench.kernels.block_sparse_attn import QUANT_GROUP
 from rbs_bench.methods.selection import SCORE_LIMIT, finite_checked
+from rbs_bench.models.fp8 import QuantisedRows
 
 ATTN_IMPL = "rbs_sparse"
 _STATE = "_rbs_state"  # attribute on each attention module
@@ -256,7 +258,13 @@ def rbs_attention_forward(
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """The `rbs_sparse` attention function; returns ([B, Lq, Hq, D], None)."""
+    """The `rbs_sparse` attention function; returns ([B, Lq, Hq, D], None).
+
+    `quantise_out=True` (from `models.fastpath`, for a block-FP8 output projection) asks for the
+    output quantised where the sparse kernel writes it (head dim 128, no padding): it returns
+    then `fp8.QuantisedRows` of the rows [B * Lq, Hq * D] instead, in the kernel's epilogue;
+    every other path returns the tensor as before."""
+    quantise = bool(kwargs.pop("quantise_out", False))
     state: _State | None = getattr(module, _STATE, None)
     lq, lk = query.shape[2], key.shape[2]
     if state is None or lq != lk or lq == 1 or not getattr(module, "is_causal", True):
@@ -303,12 +311,21 @@ def rbs_attention_forward(
         # [B, N, Hq, D] memory seen as [B, Hq, N, D]: the kernel writes the layout the model
         # reads next, so no transpose copy follows
         b, hq, n, d = query.shape
-        buf = query.new_empty(b, n, hq, d).transpose(1, 2)
+        scales = None
+        if quantise and d == QUANT_GROUP:
+            buf = query.new_empty(b, n, hq, d, dtype=torch.float8_e4m3fn).transpose(1, 2)
+            scales = query.new_empty(hq, b * n, dtype=torch.float32)
+        else:
+            buf = query.new_empty(b, n, hq, d).transpose(1, 2)
         out, density, sel_s, attn_s, recall, recall_s = _sparse(
-            state, query, key, value, scaling, out=buf
+            state, query, key, value, scaling, out=buf, out_scales=scales
         )
         density = density.mean(0)
         recall = None if recall is None else recall.mean(0)
+        if scales is not None:
+            rec.record(layer, density, sel_s, attn_s, recall, recall_s)
+            rows = out.transpose(1, 2).reshape(b * n, hq * d)  # a view of the buffer
+            return QuantisedRows(rows, scales), None
     else:
         out, density, sel_s, attn_s, recall, recall_s = _sparse_padded(
             state, query, key, value, attention_mask, scaling, layer
@@ -335,12 +352,19 @@ def _check_finite(query: Tensor, key: Tensor, layer: int, rec: PrefillRecorder) 
 
 
 def _sparse(
-    state: _State, q: Tensor, k: Tensor, v: Tensor, scale: float | None, out: Tensor | None = None
+    state: _State,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    scale: float | None,
+    out: Tensor | None = None,
+    out_scales: Tensor | None = None,
 ):
     """(out [B, Hq, N, D], head density [B, Hq], selector s, attention s, head recall [B, Hq] or
     None, recall s) of unpadded rows.
 
-    `out`, if given, receives the output (the kernel writes the model's layout directly).
+    `out`, if given, receives the output (the kernel writes the model's layout directly); with
+    `out_scales` it is e4m3, quantised for the output projection (`execution.execute`).
     """
     rec = state.recorder
     # Triton launches on the current device: a layer on another GPU (model.device_map=auto)
@@ -350,7 +374,9 @@ def _sparse(
         with finite_checked():  # the hook checked q and k already (`_check_finite`)
             sel = state.selector.select(q, k, scale=scale)
         t1 = rec.clock(q)
-        out = state.execute(q, k, v, sel, state.executor, scale=scale, out=out)
+        out = state.execute(
+            q, k, v, sel, state.executor, scale=scale, out=out, out_scales=out_scales
+        )
         t2 = rec.clock(q)
         recall, t3 = None, t2
         if rec.recall:

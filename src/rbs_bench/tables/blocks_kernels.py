@@ -332,8 +332,36 @@ def _fp8_gemm_table(src: Sources, gpu: str) -> str:
         + _tma_sentence(times)
         + _launch_sentence(times)
         + _stages_sentence(times)
+        + _producers_sentence(every)
     )
     return md_table(head, rows) + "\n" + note + sources_line(src, [path]) + "\n"
+
+
+def _producers_sentence(every: pd.DataFrame) -> str:
+    """The layer's products with q/k/v's and o's inputs quantised by their producers
+    (`fp8_producer_sums`), the parts at the largest token count; "" where the run did not time
+    them."""
+    sums = fp8_producer_sums(every)
+    if not sums:
+        return ""
+    tokens = max(t for t, _, _ in sums)
+    by = every[every["tokens"] == tokens].set_index("layer")
+    qkv, o = by.loc["qkv"], by.loc["o"]
+    totals = "; ".join(
+        f"{t:,} tokens: FP8 {fp8:.2f} ms, bf16 {bf16:.2f} ms ({fp8 / bf16:.3f}x)"
+        for t, fp8, bf16 in sums
+    )
+    return (
+        "With q/k/v's and o's inputs quantised by their producers, as the sparse FP8 layers run "
+        "them (`models.fastpath`), a layer's products: "
+        + totals
+        + f". At {tokens:,} tokens: qkv's product of the quantised rows alone "
+        f"{qkv['ms_fp8_quantised']:.2f} ms, its input RMSNorm writing e4m3 rows "
+        f"{qkv['ms_norm_fp8']:.3f} ms against {qkv['ms_norm_bf16']:.3f} ms writing bf16; o's "
+        f"product alone {o['ms_fp8_quantised']:.2f} ms, the sparse attention writing its output "
+        f"quantised {o['ms_attention_fp8']:.2f} ms against {o['ms_attention_bf16']:.2f} ms in bf16 "
+        "(32 query and 4 key/value heads, blocks of 128, 5% of each row's blocks). "
+    )
 
 
 def _launch_sentence(times: pd.DataFrame) -> str:
@@ -478,4 +506,36 @@ def fp8_layer_sums(times: pd.DataFrame) -> list[tuple[int, float, float]]:
         fp8 = sum(float(by.loc[p, "ms_fp8"]) for p in parts)
         bf16 = sum(_bf16_ms(by.loc[p]) for p in parts)
         sums.append((int(tokens), fp8, bf16))
+    return sums
+
+
+# what a producer that quantises the layer's input adds to its own time: (layer, the FP8
+# producer's column, the bf16 producer's column) of bench.fp8_gemm's producer times
+PRODUCERS = (("qkv", "ms_norm_fp8", "ms_norm_bf16"), ("o", "ms_attention_fp8", "ms_attention_bf16"))
+
+
+def fp8_producer_sums(times: pd.DataFrame) -> list[tuple[int, float, float]]:
+    """`fp8_layer_sums` with q/k/v's and o's inputs quantised by their producers, as the sparse
+    FP8 layers run them (`models.fastpath`): each of the two products alone on its quantised
+    rows (`ms_fp8_quantised`), plus what quantising costs its producer, the input RMSNorm's
+    e4m3 rows against its bf16 rows and the sparse attention's quantised output against its
+    bf16 output (`PRODUCERS`; negative where writing e4m3 is the faster). For token counts where
+    the run timed them; bf16 as in `fp8_layer_sums`."""
+    sums = []
+    plain = {tokens: bf16 for tokens, _, bf16 in fp8_layer_sums(times)}
+    for tokens, at in times.groupby("tokens"):
+        by = at.set_index("layer")
+        cols = ["ms_fp8_quantised", *(c for _, *pair in PRODUCERS for c in pair)]
+        if int(tokens) not in plain or not {"qkv", "o", "experts"} <= set(by.index):
+            continue
+        if any(c not in by.columns for c in cols):
+            continue
+        parts = [
+            by.loc[layer, "ms_fp8_quantised"] + by.loc[layer, fp8] - by.loc[layer, bf16]
+            for layer, fp8, bf16 in PRODUCERS
+        ]
+        if any(pd.isna(p) for p in parts):
+            continue
+        fp8_ms = float(sum(parts)) + float(by.loc["experts", "ms_fp8"])
+        sums.append((int(tokens), fp8_ms, plain[int(tokens)]))
     return sums
