@@ -935,9 +935,12 @@ def _use_cublas(
     )
 
 
-# The per-expert loop pays a launch and a scale copy per expert: below this many rows per expert
-# on average one grouped Triton launch is faster (a decode step routes 8 rows over 128 experts).
-CUBLAS_GROUPED_MIN_ROWS = 256
+# The per-expert loop pays a host synchronisation, and a launch and a scale copy per expert:
+# below this many rows per expert on average one grouped Triton launch is faster. On an H200 the
+# experts' gate_up took 9.0 ms through the loop against 2.9 ms on Triton at 2,048 rows per expert
+# (32K tokens), and 9.1 ms against 11.2 ms at 8,192 (results/speed/fp8_gemm_nvidia_h200.csv, rows
+# time-gate_up-*); the same loop inside `fp8_moe` crosses over at 6,144 (CUBLAS_MIN_ROWS_SCALED_MM).
+CUBLAS_GROUPED_MIN_ROWS = 6144
 
 
 def _use_cublas_grouped(x: Tensor, weight: Tensor, block_size) -> bool:

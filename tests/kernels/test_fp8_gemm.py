@@ -589,7 +589,9 @@ def test_gpu_the_experts_product_takes_cublas_only_for_a_prefill(monkeypatch):
         pytest.skip("cuBLAS's block-scaled FP8 recipe needs Hopper")
     e = 128
     wq = torch.empty(e, 1536, 2048, device="cuda", dtype=fp8_gemm.FP8_DTYPE)
-    big = torch.empty(fp8_gemm.CUBLAS_GROUPED_MIN_ROWS * e, 2048, device="cuda").bfloat16()
+    big = torch.empty(
+        fp8_gemm.CUBLAS_GROUPED_MIN_ROWS * e, 2048, device="cuda", dtype=torch.bfloat16
+    )
     assert fp8_gemm._use_cublas_grouped(big, wq, (128, 128))
     assert not fp8_gemm._use_cublas_grouped(big[:8], wq, (128, 128))
     assert not fp8_gemm._use_cublas_grouped(big, wq[:, :, :768], (128, 128))  # K = 768
