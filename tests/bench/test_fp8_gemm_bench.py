@@ -256,6 +256,7 @@ def test_the_producers_are_timed_and_summed(small, tmp_path):
     cols = ["ms_fp8_quantised", "ms_norm_fp8", "ms_norm_bf16"]
     assert (by.loc["qkv", cols] == 1.0).all() and pd.isna(by.loc["q", "ms_fp8_quantised"])
     assert (by.loc["o", ["ms_fp8_quantised", "ms_attention_fp8", "ms_attention_bf16"]] == 1.0).all()
+    assert not any(c.startswith(("tflops_norm", "tflops_attention")) for c in df.columns)
     df.loc[df["layer"] == "experts", "ms_bf16_compiled"] = 4.0
     df.loc[df["layer"] == "qkv", ["ms_norm_fp8", "ms_norm_bf16", "ms_fp8_quantised"]] = [
         0.25, 0.5, 2.0,

@@ -513,8 +513,9 @@ def _tma_applies(x, wq) -> bool:
 
 def _time_row(ms: dict, flops: float, baseline: str | None) -> dict:
     row = {f"ms_{key}": v for key, v in ms.items()}
-    # a stage does part of the block's arithmetic: no rate
-    row |= {f"tflops_{k}": flops / v / 1e9 for k, v in ms.items() if not k.startswith("stage_")}
+    # a stage does part of the block's arithmetic, a producer none of the product's: no rate
+    partial = ("stage_", "norm_", "attention_")
+    row |= {f"tflops_{k}": flops / v / 1e9 for k, v in ms.items() if not k.startswith(partial)}
     if baseline is not None:
         row["x_vs_bf16"] = ms[baseline] / ms["fp8"]
         if "fp8_fused" in ms:
