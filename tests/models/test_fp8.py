@@ -290,26 +290,38 @@ def test_fused_linears_refuse_what_one_product_cannot_compute(fresh, monkeypatch
     assert [m.weight.data_ptr() for m in layers] == before
 
 
+def fp8_attention_model(
+    names, hidden, heads, head_dim, heads_kv=2, device="cpu", dtype=torch.float32
+):
+    """A 2-layer Qwen3-MoE on the `rbs_sparse` attention whose attention layers `names` are
+    FP8Linear layers holding their own weights quantised."""
+    from rbs_bench.models import hf_attention, rehearsal
+
+    hf_attention.register()
+    config = rehearsal.architecture_config(
+        "qwen3_30b_a3b", num_hidden_layers=2, hidden_size=hidden, num_attention_heads=heads,
+        num_key_value_heads=heads_kv, head_dim=head_dim, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, vocab_size=256,
+    )  # fmt: skip
+    model = rehearsal.build(config, device, dtype, 0, hf_attention.ATTN_IMPL)
+    for layer in model.model.layers:
+        for name in names:
+            old = getattr(layer.self_attn, name)
+            new = fg.FP8Linear(old.in_features, old.out_features, block_size=(128, 128))
+            q, s = quantize(old.weight.data)
+            new.weight.data, new.weight_scale_inv.data = q.to(device), s.to(device)
+            setattr(layer.self_attn, name, new)
+    return model
+
+
 def test_fast_path_runs_fp8_qkv_as_one_product(fresh, monkeypatch):
     """A small Qwen3-MoE whose q, k and v are FP8Linear layers: the fast path's attention forward
     takes the fused product (one call of the entry point per layer for the three) and gives the
     logits of the model with the three layers apart. The regions run uncompiled here; the
     compiled graphs are checked in tests/models/test_fastpath.py."""
-    from rbs_bench.models import fastpath, hf_attention, rehearsal
+    from rbs_bench.models import fastpath
 
-    hf_attention.register()
-    config = rehearsal.architecture_config(
-        "qwen3_30b_a3b", num_hidden_layers=2, hidden_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=64, vocab_size=256,
-    )  # fmt: skip
-    model = rehearsal.build(config, "cpu", torch.float32, 0, hf_attention.ATTN_IMPL)
-    for layer in model.model.layers:
-        for name in ("q_proj", "k_proj", "v_proj"):
-            old = getattr(layer.self_attn, name)
-            new = fg.FP8Linear(old.in_features, old.out_features, block_size=(128, 128))
-            new.weight.data, new.weight_scale_inv.data = quantize(old.weight.data)
-            setattr(layer.self_attn, name, new)
+    model = fp8_attention_model(("q_proj", "k_proj", "v_proj"), hidden=128, heads=4, head_dim=64)
     calls, points = [], fp8.entry_points("reference")
 
     def counted(x, weight, *args, **kwargs):
@@ -367,23 +379,11 @@ def test_fast_path_fp8_inputs_quantised_by_their_producers(fresh, monkeypatch, b
     from rbs_bench.kernels import fp8_norm
 
     from rbs_bench import methods
-    from rbs_bench.models import fastpath, hf_attention, rehearsal
+    from rbs_bench.models import fastpath, hf_attention
 
-    hf_attention.register()
-    config = rehearsal.architecture_config(
-        "qwen3_30b_a3b", num_hidden_layers=2, hidden_size=256, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=128, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=64, vocab_size=256,
-    )  # fmt: skip
     device, dtype = ("cpu", torch.float32) if backend == "reference" else ("cuda", torch.bfloat16)
-    model = rehearsal.build(config, device, dtype, 0, hf_attention.ATTN_IMPL)
-    for layer in model.model.layers:
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            old = getattr(layer.self_attn, name)
-            new = fg.FP8Linear(old.in_features, old.out_features, block_size=(128, 128))
-            q, s = quantize(old.weight.data)
-            new.weight.data, new.weight_scale_inv.data = q.to(device), s.to(device)
-            setattr(layer.self_attn, name, new)
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    model = fp8_attention_model(names, 256, 2, 128, heads_kv=1, device=device, dtype=dtype)
     fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**fp8.entry_points(backend))
     selector = methods.build(
         "quest", block_size=32, sink_blocks=1, window_blocks=1, last_q_blocks=1
