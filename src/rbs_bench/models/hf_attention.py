@@ -322,16 +322,15 @@ def rbs_attention_forward(
         )
         density = density.mean(0)
         recall = None if recall is None else recall.mean(0)
-        if scales is not None:
-            rec.record(layer, density, sel_s, attn_s, recall, recall_s)
-            rows = out.transpose(1, 2).reshape(b * n, hq * d)  # a view of the buffer
-            return QuantisedRows(rows, scales), None
     else:
+        scales = None
         out, density, sel_s, attn_s, recall, recall_s = _sparse_padded(
             state, query, key, value, attention_mask, scaling, layer
         )
     if density is not None:
         rec.record(layer, density, sel_s, attn_s, recall, recall_s)
+    if scales is not None:  # o's e4m3 input [B * N, Hq * D]: a view of the buffer
+        return QuantisedRows(out.transpose(1, 2).flatten(0, 1).flatten(1), scales), None
     return out.transpose(1, 2).contiguous(), None  # a no-op view for the unpadded buffer
 
 
