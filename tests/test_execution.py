@@ -92,3 +92,26 @@ def test_execute_writes_into_a_model_layout_buffer():
     got = execute(q, k, v, own, out=buf)
     assert got.data_ptr() == buf.data_ptr()
     torch.testing.assert_close(got, execute(q, k, v, own))
+
+
+def test_execute_writes_the_output_quantised_for_an_fp8_projection():
+    """With `out_scales` an executor other than the Triton kernel quantises its output, seen as the
+    o projection's rows [B * N, Hq * D], into the e4m3 `out` (a model's [B, N, Hq, D] memory) and
+    the group-major scales [Hq, B * N]: `act_quant_ref` of those rows. A bf16 `out` is refused."""
+    from rbs_bench.kernels.fp8_gemm import act_quant_ref
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 100, 128, generator=gen) for h in (4, 2, 2))
+    sel = BlockSelection.full(2, 4, 100, 64)
+    b, h, n, d = q.shape
+    out = torch.empty(b, n, h, d, dtype=torch.float8_e4m3fn).transpose(1, 2)
+    scales = torch.empty(h, b * n)
+    got = execute(q, k, v, sel, executor="reference", out=out, out_scales=scales)
+    assert got.data_ptr() == out.data_ptr()
+    rows = execute(q, k, v, sel, executor="reference").transpose(1, 2).reshape(b * n, h * d)
+    want_q, want_s = act_quant_ref(rows, d)
+    assert torch.equal(out.transpose(1, 2).reshape(b * n, h * d).view(torch.uint8),
+                       want_q.view(torch.uint8))  # fmt: skip
+    assert torch.equal(scales, want_s.t())
+    with pytest.raises(ValueError, match="out_scales needs an e4m3 `out`"):
+        execute(q, k, v, sel, executor="reference", out=torch.empty_like(q), out_scales=scales)
