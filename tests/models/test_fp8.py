@@ -10,6 +10,7 @@ run on a GPU with fp8 tensor cores, or on the CPU in a fresh Python under TRITON
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -591,3 +592,36 @@ def test_quantised_moe_model_on_the_kernels(fresh, tmp_path, impl):
     assert worst_call[1] <= 2 * 2.0**-8, facts
     assert rel(got, ref) <= 2 * rel(other, ref), facts
     assert rel(got, ref) < rel(ref, want_bf16), facts
+
+
+def test_the_norm_moves_into_attention_only_where_it_computes_the_same(fresh, monkeypatch):
+    """`fastpath._norm_fusable`: yes for Qwen3-MoE's RMSNorm before fused FP8 q/k/v on this
+    harness's entry points; no for a norm whose forward differs (an offset weight, as Gemma's),
+    a decoder layer outside `NORM_IN_ATTENTION`, a fusion without a backend, or
+    RBS_BENCH_FP8_PRODUCERS=0."""
+    from rbs_bench.kernels.fp8_norm import rmsnorm_ref
+
+    from rbs_bench.models import fastpath
+
+    fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**fp8.entry_points("reference"))
+    model = fp8_attention_model(("q_proj", "k_proj", "v_proj"), hidden=256, heads=2, head_dim=128)
+    layer = model.model.layers[0]
+    qkv = fp8.fuse_linears([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+    assert qkv is not None and qkv.backend == "reference"
+    assert fastpath._norm_fusable(layer, qkv)
+    monkeypatch.setenv("RBS_BENCH_FP8_PRODUCERS", "0")
+    assert not fastpath._norm_fusable(layer, qkv)
+    monkeypatch.delenv("RBS_BENCH_FP8_PRODUCERS")
+    assert not fastpath._norm_fusable(layer, dataclasses.replace(qkv, backend=None))
+    norm_class = type(layer.input_layernorm)
+
+    class OffsetNorm(norm_class):
+        def forward(self, x):  # Gemma's: (1 + w) times the normalised rows
+            ones = torch.ones_like(self.weight)
+            return super().forward(x) + rmsnorm_ref(x, ones, self.variance_epsilon)
+
+    monkeypatch.setattr(layer.input_layernorm, "__class__", OffsetNorm)
+    assert not fastpath._norm_fusable(layer, qkv)
+    monkeypatch.setattr(layer.input_layernorm, "__class__", norm_class)
+    monkeypatch.setattr(fastpath, "NORM_IN_ATTENTION", ("LlamaDecoderLayer",))
+    assert not fastpath._norm_fusable(layer, qkv)
