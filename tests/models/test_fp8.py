@@ -625,3 +625,28 @@ def test_the_norm_moves_into_attention_only_where_it_computes_the_same(fresh, mo
     monkeypatch.setattr(layer.input_layernorm, "__class__", norm_class)
     monkeypatch.setattr(fastpath, "NORM_IN_ATTENTION", ("LlamaDecoderLayer",))
     assert not fastpath._norm_fusable(layer, qkv)
+
+
+def test_quantised_linear_is_the_layer_itself(fresh, monkeypatch):
+    """`quantised_linear`: one FP8Linear as a product of rows quantised already, on the layer's own
+    weight and scales (no copy), computing its forward; None for a bias, for entry points without
+    a backend (the hub kernel's, a wrapper), or with RBS_BENCH_FP8_PRODUCERS=0."""
+    fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**fp8.entry_points("reference"))
+    layer = fp8_linear_module(256, 384, "cpu")
+    one = fp8.quantised_linear(layer)
+    assert one is not None and one.sizes == (256,) and one.weight is layer.weight
+    x = torch.randn(7, 384, generator=torch.Generator().manual_seed(2))
+    rows = fp8.QuantisedRows(*fp8_gemm.act_quant_ref(x, 128))
+    rows = fp8.QuantisedRows(rows.values, rows.scales.t())
+    with torch.no_grad():
+        torch.testing.assert_close(one.quantised(rows, torch.float32), layer(x))
+    monkeypatch.setenv("RBS_BENCH_FP8_PRODUCERS", "0")
+    assert fp8.quantised_linear(layer) is None
+    monkeypatch.delenv("RBS_BENCH_FP8_PRODUCERS")
+    biased = fp8_linear_module(256, 384, "cpu")
+    biased.bias = torch.nn.Parameter(torch.zeros(256))
+    assert fp8.quantised_linear(biased) is None
+    points = fp8.entry_points("reference")
+    wrapped = dict(points, matmul=lambda *a, **k: points["matmul"](*a, **k))
+    fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**wrapped)
+    assert fp8.quantised_linear(layer) is None
