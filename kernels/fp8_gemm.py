@@ -834,14 +834,9 @@ def cublas_shape_ok(
 
 def cublas_linear(x: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype) -> Tensor:
     """x [M, K] @ the block-FP8 weight [N, K] -> [M, N] in `out_dtype` (bf16) through
-    `torch._scaled_mm`: activations quantised by `fp8_act_quant`, then `cublas_quantised`;
-    rows padded with zeros to a multiple of 4."""
-    m = x.shape[0]
-    pad = -m % 4
-    xp = torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
-    a, a_s = fp8_act_quant(xp, CUBLAS_BLOCK[1])
-    out = cublas_quantised(a, a_s, weight, weight_scale_inv, out_dtype)
-    return out[:m] if pad else out
+    `torch._scaled_mm`: activations quantised by `fp8_act_quant`, then `cublas_quantised`."""
+    a, a_s = fp8_act_quant(x, CUBLAS_BLOCK[1])
+    return cublas_quantised(a, a_s, weight, weight_scale_inv, out_dtype)
 
 
 def cublas_quantised(a: Tensor, a_s: Tensor, weight: Tensor, weight_scale_inv: Tensor, out_dtype):

@@ -504,6 +504,35 @@ def test_cublas_takes_only_the_shapes_it_computes_exactly():
     assert not ok(4096, 2048, (128, 128), torch.tensor(0.1))  # a static activation scale
 
 
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_cublas_operands_rows_padded_to_four(monkeypatch, m):
+    """What `cublas_linear` and `cublas_quantised` hand `torch._scaled_mm` (stood in for on the
+    CPU by the product it computes): the e4m3 rows padded with zero rows to a multiple of 4, their
+    scales as the [M, K / 128] view of the group-major [K / 128, M] storage (strides (1, M)), the
+    weight's scales transposed; the product of the real rows is `fp8_linear_ref`'s."""
+    seen = []
+
+    def scaled_mm(a, w_t, a_s, w_s, out_dtype):
+        seen.append((tuple(a.shape), a_s.stride(), tuple(w_s.shape)))
+        deq = a.float() * a_s.repeat_interleave(128, 1)
+        w = w_t.t().float() * w_s.t().repeat_interleave(128, 0).repeat_interleave(128, 1)
+        return (deq @ w.t()).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm, raising=False)
+    monkeypatch.setattr(
+        fp8_gemm, "fp8_act_quant", lambda x, g: (lambda q, s: (q, s.t().contiguous()))(
+            *act_quant_ref(x, g)
+        ),
+    )  # fmt: skip
+    wq, s = quantized_weight((256, 384), (128, 128))
+    x = activations(m, 384, dtype=torch.float32)
+    got = fp8_gemm.cublas_linear(x, wq, s, torch.float32)
+    rows = m + (-m % 4)
+    assert seen == [((rows, 384), (1, rows), (3, 2))]
+    assert got.shape == (m, 256)
+    torch.testing.assert_close(got, fp8_linear_ref(x, wq, s, (128, 128)), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not FP8_GPU or INTERPRET, reason="needs a GPU with fp8 tensor cores")
 @pytest.mark.parametrize("m", [1, 129, 4099])
