@@ -224,15 +224,13 @@ def _norm_fusable(layer: torch.nn.Module, qkv: fp8.FusedLinears) -> bool:
     `NORM_IN_ATTENTION`, the fused q/k/v on this harness's kernels, and a norm whose forward is
     `kernels.fp8_norm.rmsnorm_ref` (checked on a small input: an offset weight like Gemma's is
     not). RBS_BENCH_FP8_PRODUCERS=0 keeps the norm apart."""
-    import os
-
     from rbs_bench.kernels import fp8_norm
 
     norm = layer.input_layernorm
     eps = getattr(norm, "variance_epsilon", None)
     weight = getattr(norm, "weight", None)
     if (
-        os.environ.get("RBS_BENCH_FP8_PRODUCERS", "1") == "0"
+        not fp8.producers_enabled()
         or type(layer).__name__ not in NORM_IN_ATTENTION
         or qkv.backend is None
         or eps is None

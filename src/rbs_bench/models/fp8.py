@@ -35,6 +35,7 @@ __all__ = [
     "install",
     "is_fp8",
     "prepare",
+    "producers_enabled",
     "quantised_linear",
 ]
 
@@ -290,6 +291,13 @@ def fuse_linears(layers) -> FusedLinears | None:
     return FusedLinears(weight, scale, block, sizes, backend)
 
 
+def producers_enabled() -> bool:
+    """Whether FP8 layers take inputs their producers quantised (the input norm, the sparse
+    attention; `models.fastpath`); RBS_BENCH_FP8_PRODUCERS=0 keeps each layer quantising its
+    own input."""
+    return os.environ.get("RBS_BENCH_FP8_PRODUCERS", "1") != "0"
+
+
 def quantised_linear(layer) -> FusedLinears | None:
     """One FP8Linear layer as a `FusedLinears` of itself (its own weight and scales, nothing
     copied), for a producer that quantises its input (the attention kernel's epilogue for the
@@ -299,7 +307,7 @@ def quantised_linear(layer) -> FusedLinears | None:
         from transformers.integrations import finegrained_fp8 as fg
     except ImportError:
         return None
-    if os.environ.get("RBS_BENCH_FP8_PRODUCERS", "1") == "0":
+    if not producers_enabled():
         return None
     current = getattr(fg, "_FINEGRAINED_FP8", None)
     backend = getattr(getattr(current, "matmul", None), "rbs_backend", None)
