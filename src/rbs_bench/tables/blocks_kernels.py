@@ -523,9 +523,9 @@ def fp8_producer_sums(times: pd.DataFrame) -> list[tuple[int, float, float]]:
     the run timed them; bf16 as in `fp8_layer_sums`."""
     sums = []
     plain = {tokens: bf16 for tokens, _, bf16 in fp8_layer_sums(times)}
+    cols = ["ms_fp8_quantised", *(c for _, *pair in PRODUCERS for c in pair)]
     for tokens, at in times.groupby("tokens"):
         by = at.set_index("layer")
-        cols = ["ms_fp8_quantised", *(c for _, *pair in PRODUCERS for c in pair)]
         if int(tokens) not in plain or not {"qkv", "o", "experts"} <= set(by.index):
             continue
         if any(c not in by.columns for c in cols):
