@@ -716,10 +716,12 @@ def _descriptor(t: Tensor, block_n: int):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, block_n, t.shape[-1]])
 
 
-def _check_out(out: Tensor, q: Tensor) -> None:
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+def _check_out(out: Tensor, q: Tensor, dtype: torch.dtype | None = None) -> None:
+    """out [B, Hq, N, D] like q, in `dtype` (q's by default), on q's device, not overlapping."""
+    dtype = dtype or q.dtype
+    if out.shape != q.shape or out.dtype != dtype or out.device != q.device:
         raise ValueError(
-            f"out must be [B, Hq, N, D] = {tuple(q.shape)} {q.dtype} on {q.device} like q; got "
+            f"out must be [B, Hq, N, D] = {tuple(q.shape)} {dtype} on {q.device}; got "
             f"{tuple(out.shape)} {out.dtype} on {out.device}"
         )
     if any(s < 0 for s in out.stride()) or _overlapping(out):
@@ -735,11 +737,7 @@ def _check_quantised_out(out: Tensor | None, out_scales: Tensor, q: Tensor) -> N
             f"a quantised output needs out float8_e4m3fn [B, Hq, N, D] and D = {QUANT_GROUP}; "
             f"got {None if out is None else out.dtype} and D = {d}"
         )
-    if out.shape != q.shape or out.device != q.device or _overlapping(out):
-        raise ValueError(
-            f"out must be [B, Hq, N, D] = {tuple(q.shape)} on {q.device}, not overlapping; got "
-            f"{tuple(out.shape)} on {out.device}, strides {out.stride()}"
-        )
+    _check_out(out, q, torch.float8_e4m3fn)
     want = (hq, b * n)
     if (
         tuple(out_scales.shape) != want
