@@ -242,7 +242,7 @@ def test_the_producers_are_timed_and_summed(small, tmp_path):
     """The qkv and o rows also time their products on rows quantised already and what
     quantising costs their producers (the input norm, the sparse attention, both writing e4m3
     against bf16); the layer's sum with producers takes each product alone plus that difference,
-    and the docs' sentence gives the parts."""
+    and the docs' sentence gives the parts, with the attention setup the o row recorded."""
     from rbs_bench.tables.blocks_kernels import _producers_sentence, fp8_producer_sums
 
     linear = {"q": (256, 128), "k": (128, 128), "qkv": (512, 128), "o": (128, 256)}
@@ -267,5 +267,12 @@ def test_the_producers_are_timed_and_summed(small, tmp_path):
     text = _producers_sentence(df)
     assert "300 tokens: FP8 3.50 ms, bf16 6.00 ms (0.583x)" in text
     assert "e4m3 rows 0.250 ms against 0.500 ms writing bf16" in text
-    assert "quantised 3.00 ms against 3.25 ms in bf16" in text
+    assert (
+        "quantised 3.00 ms against 3.25 ms in bf16 (4 query and 2 key/value heads of 128, "
+        "blocks of 128, 5% of each row's blocks). " in text
+    )
+    setup = [c for c in df.columns if c.startswith("attention_")]
+    assert len(setup) == len(bench.ATTENTION) and pd.isna(by.loc["qkv", setup]).all()
+    # a CSV from before the rows recorded the setup: the sentence leaves it out, not guesses it
+    assert "in bf16. " in _producers_sentence(df.drop(columns=setup))
     assert _producers_sentence(df.drop(columns=["ms_attention_fp8"])) == ""

@@ -214,6 +214,8 @@ def time_linear(name, tokens, rep_ms) -> dict:
     if ceiling is not None:
         ms["fp8_cublas_tensorwise"] = do_bench(ceiling, rep_ms)
     ms |= producer_times(name, x, quantized, wq, s, rep_ms)
+    if "attention_fp8" in ms:  # the row says which attention it timed
+        configs |= {f"attention_{key}": v for key, v in ATTENTION.items()}
     return _time_row(ms, 2.0 * tokens * n * k, "bf16_cublas") | configs
 
 
@@ -228,8 +230,8 @@ def producer_times(name, x, quantized, wq, s, rep_ms) -> dict:
     compiled bf16 norm the other layers run (`ms_norm_bf16`); for o, the sparse attention
     writing its output quantised (`ms_attention_fp8`, `block_sparse_attention` with
     `out_scales`) against writing it in bf16 (`ms_attention_bf16`), at `ATTENTION`'s shape and
-    density; and for both the product of the quantised rows alone (`ms_fp8_quantised`,
-    `fp8_linear_quantised`). {} for the other layers."""
+    density (the row's `attention_<key>` columns); and for both the product of the quantised
+    rows alone (`ms_fp8_quantised`, `fp8_linear_quantised`). {} for the other layers."""
     if name not in ("qkv", "o"):
         return {}
     a, a_s = quantized

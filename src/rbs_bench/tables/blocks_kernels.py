@@ -359,8 +359,22 @@ def _producers_sentence(every: pd.DataFrame) -> str:
         f"{qkv['ms_fp8_quantised']:.2f} ms, its input RMSNorm writing e4m3 rows "
         f"{qkv['ms_norm_fp8']:.3f} ms against {qkv['ms_norm_bf16']:.3f} ms writing bf16; o's "
         f"product alone {o['ms_fp8_quantised']:.2f} ms, the sparse attention writing its output "
-        f"quantised {o['ms_attention_fp8']:.2f} ms against {o['ms_attention_bf16']:.2f} ms in bf16 "
-        "(32 query and 4 key/value heads, blocks of 128, 5% of each row's blocks). "
+        f"quantised {o['ms_attention_fp8']:.2f} ms against {o['ms_attention_bf16']:.2f} ms in bf16"
+        + _attention_setup(o)
+        + ". "
+    )
+
+
+def _attention_setup(o: pd.Series) -> str:
+    """The attention `bench.fp8_gemm` timed for o's producer, from the row's `attention_<key>`
+    columns; "" for a CSV written before the rows recorded it."""
+    keys = [f"attention_{k}" for k in ("q_heads", "kv_heads", "head_dim", "block", "density")]
+    if not all(k in o.index and pd.notna(o[k]) for k in keys):
+        return ""
+    hq, hkv, d, block, density = (o[k] for k in keys)
+    return (
+        f" ({int(hq)} query and {int(hkv)} key/value heads of {int(d)}, blocks of {int(block)}, "
+        f"{density:.0%} of each row's blocks)"
     )
 
 
