@@ -139,6 +139,14 @@ def _hub_loadable(fg) -> bool:
     return fg._FINEGRAINED_FP8 is not None
 
 
+# What `install`'s one line says each backend's entry points run
+_RUNS = {
+    "triton": "kernels (rbs_bench.kernels.fp8_gemm: cuBLAS's block-scaled products where the GPU "
+    "and the shape take them, Triton otherwise)",
+    "reference": "PyTorch references (rbs_bench.kernels.fp8_gemm's *_ref)",
+}
+
+
 def install(device=None, force: bool = False, backend: str = "triton") -> str:
     """Make transformers' FP8 layers runnable here; returns what they will run:
 
@@ -175,8 +183,8 @@ def install(device=None, force: bool = False, backend: str = "triton") -> str:
     fg._FINEGRAINED_FP8 = fg.FineGrainedFP8(**entry_points(backend))
     os.environ.setdefault("TRANSFORMERS_DISABLE_DEEPGEMM_LINEAR", "1")
     print(
-        "rbs-bench: FP8 layers run rbs_bench's Triton kernels (rbs_bench.kernels.fp8_gemm): "
-        "transformers' hub kernel kernels-community/finegrained-fp8 is not loadable here",
+        f"rbs-bench: FP8 layers run rbs_bench's {_RUNS[backend]}: transformers' hub kernel "
+        "kernels-community/finegrained-fp8 is not loadable here",
         file=sys.stderr,
     )
     return "rbs_bench"
