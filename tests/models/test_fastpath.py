@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 from model_fakes import dispatch_layers
-from transformers import AutoModelForCausalLM
 
 from rbs_bench import methods
 from rbs_bench.models import fastpath, hf_attention, rehearsal, tiny
@@ -146,13 +145,8 @@ def test_compiled_bf16_layers_are_as_close_to_fp32_as_eager_bf16():
     hf_attention.register()  # the sparse attention's name, as models.load registers it
     config = rehearsal.architecture_config("qwen3_30b_a3b", num_hidden_layers=2)
     ref = rehearsal.build(config, "cuda", torch.float32, 0, hf_attention.ATTN_IMPL)
-    model = (
-        AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16, attn_implementation=hf_attention.ATTN_IMPL
-        )
-        .cuda()
-        .eval()
-    )
+    # built on the GPU (no 1.8e9 random weights initialised on the host), then given ref's
+    model = rehearsal.build(config, "cuda", torch.bfloat16, 0, hf_attention.ATTN_IMPL)
     model.load_state_dict(ref.state_dict())
     ids = torch.randint(0, config.vocab_size, (1, 4096), device="cuda")
     exact = logits(ref, ids)[0, -64:]
