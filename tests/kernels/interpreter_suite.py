@@ -1,6 +1,6 @@
-"""What the kernel test files share: `run`, which runs a test file again under Triton's CPU
-interpreter in a fresh Python; the device their kernel tests run on; the kv-list checks; the mass
-kernels' random q and k (`qk`).
+"""What the kernel test files share: `check` (with its skip mark `fresh`), which runs a test
+file again under Triton's CPU interpreter in a fresh Python; the device their kernel tests run
+on; the kv-list checks; the mass kernels' random q and k (`qk`).
 
 TRITON_INTERPRET is read when triton decorates a kernel (at import), so a pytest process that
 already imported triton cannot switch to the interpreter; a subprocess started with it set can.
@@ -51,6 +51,20 @@ def check_layout(count, idx):
     assert bool((idx[~live] == 0).all()), "padding past the count must be 0"
     assert bool(((idx[..., 1:] > idx[..., :-1]) | ~live[..., 1:]).all()), "ids not ascending"
     assert bool(((idx <= slots[:, None]) | ~live).all()), "a kept block lies above the diagonal"
+
+
+# the test that runs a file's kernel tests under the interpreter: only where they did not run here
+fresh = pytest.mark.skipif(
+    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
+)
+
+
+def check(test_file: str, *select: str, at_least: int, timeout: int = 900) -> None:
+    """`run` the selected tests of `test_file` under the interpreter: all pass, and at least
+    `at_least` of them (a selection that stopped matching fails rather than passes empty)."""
+    rc, tail, passed = run(test_file, *select, timeout=timeout)
+    assert rc == 0, tail
+    assert passed >= at_least, tail
 
 
 def run(test_file: str, *select: str, timeout: int = 900) -> tuple[int, str, int]:

@@ -21,7 +21,7 @@ from rbs_bench.kernels.block_mass import (
     kept_block_mass_ref,
 )
 from rbs_bench.kernels.block_sparse_attn import block_lists_from_mask
-from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET
 
 
 def dense_block_mass(q, k, block, scale=None):
@@ -156,14 +156,10 @@ def test_kept_mass_kernel_matches_reference(n, block, hq, hkv, d, dtype, heads_o
     )
 
 
-@pytest.mark.skipif(
-    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
-)
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel_matches", timeout=600)
-    assert rc == 0, tail
-    assert passed >= 14, tail
+    interpreter_suite.check(__file__, "-k", "kernel_matches", at_least=14, timeout=600)
 
 
 @pytest.mark.gpu

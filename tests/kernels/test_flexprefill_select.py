@@ -30,7 +30,7 @@ from rbs_bench.kernels.flexprefill_select import (
     query_aware_blocks_ref,
     supported,
 )
-from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET
 from rbs_bench.kernels.vertical_slash_attn import vertical_slash_estimate_ref
 
 from rbs_bench import methods
@@ -210,14 +210,10 @@ def test_triton_impl_on_cpu_needs_interpreter():
         methods.build("flexprefill", impl="gpu")
 
 
-@pytest.mark.skipif(
-    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
-)
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-m", "not gpu", "-k", "test_triton_")
-    assert rc == 0, tail
-    assert passed >= 5, tail
+    interpreter_suite.check(__file__, "-m", "not gpu", "-k", "test_triton_", at_least=5)
 
 
 # ------------------------------------------------------------------------ GPU, bf16, large

@@ -41,7 +41,7 @@ from rbs_bench.kernels.fp8_gemm import (
     fp8_linear,
     fp8_linear_ref,
 )
-from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET
 
 FP8_GPU = CUDA and torch.cuda.get_device_capability() >= (8, 9)
 # The fp8 tensor cores add each k = 32 step of a product into an accumulator that keeps about 14
@@ -473,14 +473,10 @@ def test_custom_ops_are_opaque_to_compile():
     assert torch.equal(compiled(x), layer(x))
 
 
-@pytest.mark.skipif(
-    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
-)
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel or rounding or custom_ops")
-    assert rc == 0, tail
-    assert passed >= 20, tail
+    interpreter_suite.check(__file__, "-k", "kernel or rounding or custom_ops", at_least=20)
 
 
 # ---------------------------------------------------------------- GPU, bf16, model shapes

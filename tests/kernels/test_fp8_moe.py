@@ -25,7 +25,7 @@ import dataclasses
 import interpreter_suite
 import pytest
 import torch
-from interpreter_suite import CUDA, DEVICE, kernel_test
+from interpreter_suite import DEVICE, kernel_test
 from rbs_bench.kernels import fp8_moe
 from rbs_bench.kernels.fp8_gemm import (
     act_quant_ref,
@@ -47,7 +47,7 @@ from rbs_bench.kernels.fp8_moe import (
     silu_gate_ref,
 )
 from rbs_bench.kernels.moe_combine import moe_combine_ref
-from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET
 from test_fp8_gemm import (
     ACCUMULATION,
     FP8_GPU,
@@ -426,14 +426,10 @@ def test_the_bench_stages_chain_to_the_block(monkeypatch):
     assert sum(count for _, count in spans) >= 24 * 2 and spans[0][0] == 0
 
 
-@pytest.mark.skipif(
-    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
-)
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel")
-    assert rc == 0, tail
-    assert passed >= 4, tail
+    interpreter_suite.check(__file__, "-k", "kernel", at_least=4)
 
 
 # ---------------------------------------------------------------- GPU: the model's shapes

@@ -14,7 +14,6 @@ from interpreter_suite import CUDA, DEVICE, kernel_test
 from rbs_bench.kernels import fp8_gemm
 from rbs_bench.kernels.fp8_gemm import FP8_DTYPE, act_quant_ref, fp8_act_quant
 from rbs_bench.kernels.fp8_norm import rmsnorm_quant, rmsnorm_quant_ref, rmsnorm_ref
-from rbs_bench.kernels.triton_util import INTERPRET, triton_available
 
 FP8_GPU = CUDA and torch.cuda.get_device_capability() >= (8, 9)
 fp8_kernel_test = pytest.mark.skipif(
@@ -131,11 +130,7 @@ def test_kernel_norm_quant_bf16_model_shape_gpu():
     assert int(differ.sum()) <= differ.numel() // 1000
 
 
-@pytest.mark.skipif(
-    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
-)
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel")
-    assert rc == 0, tail
-    assert passed >= 11, tail
+    interpreter_suite.check(__file__, "-k", "kernel", at_least=11)

@@ -80,8 +80,7 @@ def test_kernel_matches_reference_at_model_size_in_bf16():
     assert (got.double() - exact).abs().max().item() <= 2 * ref_err + 1e-6
 
 
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel_matches", timeout=600)
-    assert rc == 0, tail
-    assert passed >= 4, tail
+    interpreter_suite.check(__file__, "-k", "kernel_matches", at_least=4, timeout=600)

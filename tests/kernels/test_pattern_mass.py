@@ -14,7 +14,7 @@ import pytest
 import torch
 from interpreter_suite import CUDA, DEVICE, kernel_test, qk
 from rbs_bench.kernels.pattern_mass import pattern_kept_mass, pattern_kept_mass_ref
-from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET
 from rbs_bench.kernels.vertical_slash_attn import membership, vertical_slash_token_mask
 
 
@@ -105,14 +105,10 @@ def test_kernel_matches_reference(b, n, hq, hkv, d, patterns, dtype):
     assert (pattern_kept_mass(q, k, none, none) == 0).all()
 
 
-@pytest.mark.skipif(
-    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
-)
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel_matches", timeout=600)
-    assert rc == 0, tail
-    assert passed >= 5, tail
+    interpreter_suite.check(__file__, "-k", "kernel_matches", at_least=5, timeout=600)
 
 
 @pytest.mark.gpu

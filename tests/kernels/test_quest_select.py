@@ -33,7 +33,7 @@ from rbs_bench.kernels.quest_select import (
     top_fraction,
     top_fraction_select,
 )
-from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET
 
 from rbs_bench import methods
 
@@ -190,14 +190,10 @@ def test_kernels_import_without_triton():
     ]
 
 
-@pytest.mark.skipif(
-    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
-)
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-m", "not gpu")
-    assert rc == 0, tail
-    assert passed >= 8, tail
+    interpreter_suite.check(__file__, "-m", "not gpu", at_least=8)
 
 
 # ------------------------------------------------------------------------------- GPU, bf16, large

@@ -370,14 +370,10 @@ def test_kernels_import_without_triton():
     assert lines[1] == "rbs_select needs Triton, which is not installed; use rbs_select_ref"
 
 
-@pytest.mark.skipif(
-    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
-)
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-m", "not gpu")
-    assert rc == 0, tail
-    assert passed >= 20, tail
+    interpreter_suite.check(__file__, "-m", "not gpu", at_least=20)
 
 
 # ------------------------------------------------------------------------------- GPU, bf16, large

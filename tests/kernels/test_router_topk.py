@@ -94,8 +94,7 @@ def test_kernel_matches_reference_at_model_size_in_bf16():
     check(router_topk(x, 8, True), router_topk_ref(x, 8, True), x)
 
 
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-k", "kernel_", timeout=600)
-    assert rc == 0, tail
-    assert passed >= 6, tail
+    interpreter_suite.check(__file__, "-k", "kernel_", at_least=6, timeout=600)

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from interpreter_suite import CUDA, DEVICE, kernel_test
-from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET
 from rbs_bench.kernels.vertical_slash_attn import (
     coverage_count,
     coverage_select,
@@ -469,14 +469,10 @@ def test_cpu_without_interpreter_refuses_kernels():
         methods.build("minference", impl="triton").select(q, k)
 
 
-@pytest.mark.skipif(
-    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
-)
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-m", "not gpu", "-k", "test_triton_")
-    assert rc == 0, tail
-    assert passed >= 12, tail
+    interpreter_suite.check(__file__, "-m", "not gpu", "-k", "test_triton_", at_least=12)
 
 
 # ------------------------------------------------------------------------ GPU, bf16, large

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import assert_same_sets, structured_qk, within
 from interpreter_suite import CUDA, DEVICE, check_layout, kernel_test, lists_to_mask
-from rbs_bench.kernels.triton_util import INTERPRET, triton_available
+from rbs_bench.kernels.triton_util import INTERPRET
 from rbs_bench.kernels.xattn_select import (
     _launch_mass,
     antidiagonal_mass,
@@ -165,14 +165,10 @@ def test_impl_is_validated():
             methods.build("xattn", impl="triton", block_size=48).select(q, q)
 
 
-@pytest.mark.skipif(
-    INTERPRET or CUDA or not triton_available(), reason="kernel tests already run in this process"
-)
+@interpreter_suite.fresh
 def test_interpreter_suite():
     """Run this file's kernel tests on CPU under Triton's interpreter, in a fresh Python."""
-    rc, tail, passed = interpreter_suite.run(__file__, "-m", "not gpu")
-    assert rc == 0, tail
-    assert passed >= 10, tail
+    interpreter_suite.check(__file__, "-m", "not gpu", at_least=10)
 
 
 # ------------------------------------------------------------------------------- GPU, bf16, large
