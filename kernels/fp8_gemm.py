@@ -136,9 +136,20 @@ def dequantize_weight_ref(weight: Tensor, weight_scale_inv: Tensor, block_size) 
     return weight.float() * s
 
 
+def fp8_act_quant_ref(x: Tensor, group: int = 128) -> tuple[Tensor, Tensor]:
+    """`fp8_act_quant` in PyTorch, in its layout: (e4m3 [M, K], fp32 scales [ceil(K / group), M]
+    group-major) of `act_quant_ref(x [M, K], group)`."""
+    q, s = act_quant_ref(x, group)
+    return q, s.t().contiguous()
+
+
+def _dequantized(q: Tensor, s: Tensor, group: int) -> Tensor:
+    """fp32 e4m3 q [M, K] times its scales s [M, ceil(K / group)], each over its group."""
+    return q.float() * s.float().repeat_interleave(group, -1)[:, : q.shape[1]]
+
+
 def _dequantize_act(x: Tensor, group: int, activation_scale: Tensor | None) -> Tensor:
-    q, s = act_quant_ref(x, group, activation_scale)
-    return q.float() * s.repeat_interleave(group, -1)[:, : x.shape[1]]
+    return _dequantized(*act_quant_ref(x, group, activation_scale), group)
 
 
 def fp8_linear_ref(
@@ -170,8 +181,10 @@ def fp8_linear_quantised_ref(
     """`fp8_linear_quantised` in PyTorch: a [M, K] e4m3 times its group-major scales a_s [G, M],
     then an fp32 product with the dequantised weight [N, K]."""
     _, _, group = _blocks(weight, weight_scale_inv, block_size)
-    xd = a.float() * a_s.float().t().repeat_interleave(group, -1)[:, : a.shape[1]]
-    y = xd @ dequantize_weight_ref(weight, weight_scale_inv, block_size).T
+    y = (
+        _dequantized(a, a_s.t(), group)
+        @ dequantize_weight_ref(weight, weight_scale_inv, block_size).T
+    )
     return y.to(out_dtype)
 
 

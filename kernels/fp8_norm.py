@@ -11,7 +11,7 @@ tokens of hidden size 2048 it takes 0.25 ms, where the compiled norm alone took 
 norm then the quantisation 0.51 ms; 99.9999% of its bytes equal the eager norm's quantised
 (results/scale/logs/h200_s24_callA_quant_probe.txt).
 
-`rmsnorm_quant_ref` is the PyTorch reference: the eager norm, then `fp8_gemm.act_quant_ref`.
+`rmsnorm_quant_ref` is the PyTorch reference: the eager norm, then `fp8_gemm.fp8_act_quant_ref`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from .fp8_gemm import (
     _dynamic_scales,
     _rounded,
     _to_e4m3,
-    act_quant_ref,
+    fp8_act_quant_ref,
 )
 from .triton_util import INTERPRET, check_triton_launch, jit, tl, triton
 
@@ -44,8 +44,7 @@ def rmsnorm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rmsnorm_quant_ref(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """(e4m3 [M, K], fp32 scales [K / 128, M] group-major) of `rmsnorm_ref(x [M, K])`."""
-    q, s = act_quant_ref(rmsnorm_ref(x, weight, eps), GROUP)
-    return q, s.t().contiguous()
+    return fp8_act_quant_ref(rmsnorm_ref(x, weight, eps), GROUP)
 
 
 def fusable(x: Tensor, weight: Tensor) -> bool:

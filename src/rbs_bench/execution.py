@@ -91,16 +91,13 @@ def execute(
 
 def _quantised_into(result: Tensor, out: Tensor, out_scales: Tensor) -> Tensor:
     """`result` [B, Hq, N, D] seen as the rows [B * N, Hq * D] of an output projection, quantised
-    per row and head (`fp8_gemm.act_quant_ref`'s values) into `out` and `out_scales` [Hq, B * N]."""
-    from rbs_bench.kernels.fp8_gemm import act_quant_ref, fp8_act_quant
+    per row and head (`fp8_gemm.fp8_act_quant`'s values) into `out` and `out_scales` [Hq, B * N]."""
+    from rbs_bench.kernels.fp8_gemm import fp8_act_quant, fp8_act_quant_ref
 
     b, h, n, d = result.shape
     rows = result.transpose(1, 2).reshape(b * n, h * d)
-    if rows.is_cuda and HAS_TRITON:
-        xq, xs = fp8_act_quant(rows, d)
-    else:
-        xq, xs = act_quant_ref(rows, d)
-        xs = xs.t()
+    quantise = fp8_act_quant if rows.is_cuda and HAS_TRITON else fp8_act_quant_ref
+    xq, xs = quantise(rows, d)
     out.copy_(xq.view(b, n, h, d).transpose(1, 2))
     out_scales.copy_(xs)
     return out

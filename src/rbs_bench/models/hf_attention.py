@@ -307,11 +307,11 @@ def rbs_attention_forward(
             f"layer {layer} uses sliding-window attention ({sliding_window}), which "
             f"the sparse prefill path does not support; use a full-attention model"
         )
+    scales = None  # o's input scales, where the kernel writes it quantised
     if attention_mask is None:
         # [B, N, Hq, D] memory seen as [B, Hq, N, D]: the kernel writes the layout the model
         # reads next, so no transpose copy follows
         b, hq, n, d = query.shape
-        scales = None
         if quantise and d == QUANT_GROUP:
             buf = query.new_empty(b, n, hq, d, dtype=torch.float8_e4m3fn).transpose(1, 2)
             scales = query.new_empty(hq, b * n, dtype=torch.float32)
@@ -323,7 +323,6 @@ def rbs_attention_forward(
         density = density.mean(0)
         recall = None if recall is None else recall.mean(0)
     else:
-        scales = None
         out, density, sel_s, attn_s, recall, recall_s = _sparse_padded(
             state, query, key, value, attention_mask, scaling, layer
         )
